@@ -1,0 +1,62 @@
+"""Repeated-layer groups, found from the module tree and shapes alone.
+
+Two sibling modules are *repeats* when they have the same structural signature: the same class, the same
+parameter names, shapes and dtypes, and recursively the same children. A parameter's group key is its path
+with the name of every repeated module on the way replaced by `*` (`h.3.attn.c_attn.weight` becomes
+`h.*.attn.c_attn.weight`); parameters with the same key and shape form a group. No names are interpreted,
+so a model whose modules are called `p1`, `u`, `v` groups the same way.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import torch.nn as nn
+
+
+def _signatures(model: nn.Module) -> dict[str, int]:
+    """Structural hash of every module, keyed by path."""
+    sigs: dict[str, int] = {}
+
+    def visit(path: str, mod: nn.Module) -> int:
+        children = []
+        for name, child in mod.named_children():
+            children.append((name, visit(f"{path}.{name}" if path else name, child)))
+        own = tuple(
+            (n, tuple(t.shape), str(t.dtype))
+            for n, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
+            if t is not None
+        )
+        sig = hash((type(mod).__qualname__, own, tuple(children)))
+        sigs[path] = sig
+        return sig
+
+    visit("", model)
+    return sigs
+
+
+def repeated_modules(model: nn.Module) -> set[str]:
+    """Paths of modules that have at least one structurally identical sibling."""
+    sigs = _signatures(model)
+    by_parent: dict[str, Counter[int]] = defaultdict(Counter)
+    for path, sig in sigs.items():
+        if path:
+            by_parent[path.rpartition(".")[0]][sig] += 1
+    return {p for p, s in sigs.items() if p and by_parent[p.rpartition(".")[0]][s] > 1}
+
+
+def group_key(param_path: str, repeated: set[str]) -> str:
+    parts = param_path.split(".")
+    out = []
+    for i, part in enumerate(parts):
+        out.append("*" if ".".join(parts[: i + 1]) in repeated else part)
+    return ".".join(out)
+
+
+def parameter_groups(model: nn.Module, names: list[str], shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, list[str]]]:
+    """[(key, [param names])] for every key shared by two or more parameters, in first-appearance order."""
+    repeated = repeated_modules(model)
+    buckets: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+    for n in names:
+        buckets.setdefault((group_key(n, repeated), shapes[n]), []).append(n)
+    return [(key, members) for (key, _), members in buckets.items() if len(members) > 1]

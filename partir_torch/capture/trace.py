@@ -1,0 +1,392 @@
+"""Capture a whole training step as one functional aten program, on fake tensors.
+
+How: the step `params, buffers, optimizer states, inputs -> loss, gradients, updated params and states` is
+written as a pure function (forward and loss through `_reparametrize_module`, backward through
+`torch.func.grad_and_value`, the update through `capture.optim`), functionalized, and traced with `make_fx`
+in a `FakeTensorMode`. No weight is ever allocated: a 7B model built on the meta device captures in seconds.
+
+Module attribution: forward ops get the path of the innermost module running when they were traced (global
+forward hooks write it into the FX node meta); backward ops inherit it from the forward op whose autograd
+node produced them (the autograd sequence number, as aot_autograd does).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+
+from partir_torch.capture.groups import parameter_groups
+from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
+from partir_torch.errors import CaptureError, InputShapeError
+from partir_torch.ir.program import Group, Op, Phase, Program, Ref, Role, Value
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OUR_DIR = os.path.dirname(os.path.dirname(__file__))
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor] | torch.Tensor,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | str | None = "adamw",
+    *,
+    mode: str | None = None,
+) -> Program:
+    """Capture `loss_fn(model, *example_inputs)`, its backward and the optimizer update as a `Program`.
+
+    `mode` is "train" (default when `loss_fn` is given) or "inference" (the forward pass `model(*inputs)`
+    only). The model and optimizer are only read: on success and on failure they are left as they were.
+    """
+    t0 = time.perf_counter()
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            raise CaptureError(
+                f"example input {i} is a {type(x).__name__}, not a tensor; pass tensors only and close over "
+                "constants in loss_fn"
+            )
+    mode = mode or ("train" if loss_fn is not None else "inference")
+    if mode not in ("train", "inference"):
+        raise CaptureError(f"mode must be 'train' or 'inference', got {mode!r}")
+    if mode == "train" and loss_fn is None:
+        raise CaptureError("train mode needs loss_fn(model, *inputs) -> scalar loss; or pass mode='inference'")
+
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    trainable = [n for n, p in params.items() if p.requires_grad] if mode == "train" else []
+    spec = optimizer_spec(optimizer, params) if mode == "train" else None
+    updated = [n for n in trainable if spec is not None and n in spec.hparams]
+    states = {n: spec.state_names(n) for n in updated} if spec else {}
+
+    # Flat argument list: params, buffers, optimizer states, inputs (this order is Program.run's too).
+    flat_meta: list[tuple[tuple[int, ...], torch.dtype]] = [(tuple(p.shape), p.dtype) for p in params.values()]
+    flat_meta += [(tuple(b.shape), b.dtype) for b in buffers.values()]
+    for n in updated:
+        p = params[n]
+        flat_meta += [(spec.state_shape(s, tuple(p.shape)), spec.state_dtype(s, p.dtype)) for s in states[n]]
+    flat_meta += [(tuple(x.shape), x.dtype) for x in inputs]
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        fakes = [torch.empty(shape, dtype=dtype) for shape, dtype in flat_meta]
+
+    names = list(params)
+    bnames = list(buffers)
+    n_p, n_b = len(names), len(bnames)
+    n_s = sum(len(s) for s in states.values())
+    tracker = _ModuleTracker(model)
+
+    def step(*flat: torch.Tensor) -> list[torch.Tensor]:
+        p_vals = dict(zip(names, flat[:n_p]))
+        b_vals = dict(zip(bnames, flat[n_p : n_p + n_b]))
+        s_iter = iter(flat[n_p + n_b : n_p + n_b + n_s])
+        s_vals = {n: {s: next(s_iter) for s in states[n]} for n in updated}
+        xs = flat[n_p + n_b + n_s :]
+        if mode == "inference":
+            with _reparametrize_module(model, {**p_vals, **b_vals}, tie_weights=True):
+                out = model(*xs)
+            leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if not leaves:
+                raise CaptureError("the model returned no tensor")
+            return leaves
+
+        def loss_of(train_vals: list[torch.Tensor]) -> torch.Tensor:
+            with _reparametrize_module(model, {**p_vals, **dict(zip(trainable, train_vals)), **b_vals}, tie_weights=True):
+                loss = loss_fn(model, *xs)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise CaptureError(f"loss_fn must return a scalar tensor, got {shape}; reduce it with .mean() or .sum()")
+            _tag_backward(loss)
+            return loss.reshape(())
+
+        grads, loss = torch.func.grad_and_value(loss_of)([p_vals[n] for n in trainable])
+        grads = dict(zip(trainable, grads))
+        new_params, new_states = [], []
+        for n in updated:
+            new_p, new_s = spec.update(n, p_vals[n], grads[n], s_vals[n])
+            new_params.append(new_p)
+            new_states += [new_s[s] for s in states[n]]
+        return [loss, *(grads[n] for n in trainable), *new_params, *new_states]
+
+    try:
+        with fx_traceback.preserve_node_meta(), tracker:
+            gm = make_fx(torch.func.functionalize(step, remove="mutations"), tracing_mode="fake")(*fakes)
+    except CaptureError:
+        raise
+    except Exception as e:  # translate torch's errors into ones that name what to change
+        raise _explain(e, tracker, inputs) from e
+
+    out_roles: list[tuple[Role, str, int | None]] = []  # (role, name, index of the updated flat input)
+    if mode == "train":
+        out_roles.append((Role.OUTPUT, "loss", None))
+        out_roles += [(Role.GRADIENT, f"grad[{n}]", None) for n in trainable]
+        out_roles += [(Role.OUTPUT, f"updated[{n}]", names.index(n)) for n in updated]
+        k = n_p + n_b
+        for n in updated:
+            for s in states[n]:
+                out_roles.append((Role.OUTPUT, f"updated.opt.{s}[{n}]", k))
+                k += 1
+    in_roles = [(Role.PARAMETER, n) for n in names] + [(Role.BUFFER, n) for n in bnames]
+    in_roles += [(Role.OPT_STATE, f"opt.{s}[{n}]") for n in updated for s in states[n]]
+    in_roles += [(Role.INPUT, f"inputs[{i}]") for i in range(len(inputs))]
+    program = _to_program(gm, in_roles, out_roles, mode)
+    program.params = {n: i for i, n in enumerate(names)}
+    program.buffers = {n: n_p + i for i, n in enumerate(bnames)}
+    k = n_p + n_b
+    for n in updated:
+        program.opt_states[n] = {}
+        for s in states[n]:
+            program.opt_states[n][s] = k
+            k += 1
+    program.inputs = list(range(k, k + len(inputs)))
+    if mode == "train":
+        program.loss = program.outputs[0]
+        program.grads = {n: program.outputs[1 + i] for i, n in enumerate(trainable)}
+    program.optimizer = spec.kind if spec else None
+    program.groups = _groups(model, program, spec)
+    program.capture_time_s = time.perf_counter() - t0
+    return program
+
+
+# -- module attribution ------------------------------------------------------------------------------------
+class _ModuleTracker:
+    """Global forward hooks that stamp FX nodes with the running module's path (and remember it on errors)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+        self.stack: list[tuple[str, nn.Module, list[Any]]] = []
+        self.failed_in: tuple[str, nn.Module, list[Any]] | None = None
+
+    def _pre(self, mod: nn.Module, args: tuple[Any, ...]) -> None:
+        path = self.paths.get(id(mod))
+        if path is None:
+            return
+        shapes = [list(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
+        self.stack.append((path, mod, shapes))
+        fx_traceback.current_meta["custom"] = {"module": path}
+
+    def _post(self, mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if self.paths.get(id(mod)) is None or not self.stack:
+            return
+        self.stack.pop()
+        if self.stack:
+            fx_traceback.current_meta["custom"] = {"module": self.stack[-1][0]}
+        else:
+            fx_traceback.current_meta.pop("custom", None)
+
+    def __enter__(self) -> _ModuleTracker:
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._pre),
+            nn.modules.module.register_module_forward_hook(self._post),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        if exc[0] is not None and self.stack:
+            self.failed_in = self.stack[-1]
+        self.stack.clear()
+
+
+def _tag_backward(loss: torch.Tensor) -> None:
+    """Make backward ops carry the autograd sequence number of the forward op they differentiate."""
+    seen: set[Any] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        seq = node._sequence_nr()
+        node.register_prehook(lambda _g, seq=seq: fx_traceback.set_grad_fn_seq_nr(seq))
+        node.register_hook(lambda _gi, _go: fx_traceback.reset_grad_fn_seq_nr())
+        todo.extend(fn for fn, _ in node.next_functions)
+
+
+# -- FX graph -> Program -----------------------------------------------------------------------------------
+def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Program:
+    values: list[Value] = []
+    ops: list[Op] = []
+    env: dict[torch.fx.Node, Any] = {}  # node -> value id, or tuple of value ids for multi-output ops
+    fwd_module_by_seq: dict[int, str] = {}
+
+    def new_value(name: str, val: Any, role: Role, producer: int) -> int:
+        if not isinstance(val, torch.Tensor):
+            return -1
+        vid = len(values)
+        values.append(Value(vid, name, tuple(int(s) for s in val.shape), val.dtype, role, producer))
+        return vid
+
+    def ref(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            v = env[a]
+            return Ref(v) if isinstance(v, int) else tuple(Ref(x) for x in v)
+        if isinstance(a, (list, tuple)):
+            return type(a)(ref(x) for x in a)
+        if isinstance(a, torch.dtype | torch.device | torch.layout | torch.memory_format):
+            return a
+        return a
+
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for node, (role, name) in zip(placeholders, in_roles):
+        env[node] = new_value(name, node.meta["val"], role, -1)
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            env[node] = env[node.args[0]][node.args[1]]
+            continue
+        oid = len(ops)
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            outs = tuple(new_value(f"{node.name}.{i}", v, Role.ACTIVATION, oid) for i, v in enumerate(val))
+            env[node] = outs
+        else:
+            outs = (new_value(node.name, val, Role.ACTIVATION, oid),)
+            env[node] = outs[0]
+        inputs: list[int] = []
+        for a in node.all_input_nodes:
+            v = env[a]
+            inputs += [v] if isinstance(v, int) else [x for x in v if x >= 0]
+        module = (node.meta.get("custom") or {}).get("module")
+        seq = node.meta.get("seq_nr")
+        if module is not None and seq is not None:
+            fwd_module_by_seq.setdefault(seq, module)
+        elif module is None and seq is not None:
+            module = fwd_module_by_seq.get(seq)
+        ops.append(
+            Op(
+                oid,
+                str(node.target),
+                tuple(inputs),
+                outs,
+                tuple(ref(a) for a in node.args),
+                tuple((k, ref(a)) for k, a in node.kwargs.items()),
+                Phase.FORWARD,
+                module,
+                node.target,
+            )
+        )
+
+    (out_args,) = gm.graph.find_nodes(op="output")[0].args
+    outputs = [env[a] for a in out_args]
+    updates: dict[int, int] = {}
+    renamed: set[int] = set()
+    for vid, (role, name, src) in zip(outputs, out_roles):
+        if vid < 0 or values[vid].producer < 0 or vid in renamed:
+            continue
+        renamed.add(vid)
+        v = values[vid]
+        values[vid] = Value(vid, name, v.shape, v.dtype, role, v.producer)
+        if src is not None:
+            updates[vid] = src
+
+    if mode == "train":
+        _assign_phases(ops, values, outputs)
+    return Program(values, ops, {}, {}, [], {}, {}, updates, outputs, None, [], mode, None, graph_module=gm)
+
+
+def _assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> None:
+    """Forward = ancestors of the loss; backward = other ancestors of the gradients; the rest optimizer."""
+
+    def ancestors(roots: list[int]) -> set[int]:
+        seen: set[int] = set()
+        todo = [values[r].producer for r in roots if r >= 0 and values[r].producer >= 0]
+        while todo:
+            o = todo.pop()
+            if o in seen:
+                continue
+            seen.add(o)
+            todo += [values[i].producer for i in ops[o].inputs if values[i].producer >= 0]
+        return seen
+
+    fwd = ancestors(outputs[:1])
+    bwd = ancestors([v for v in outputs if v >= 0 and values[v].role is Role.GRADIENT]) - fwd
+    for i, op in enumerate(ops):
+        phase = Phase.FORWARD if i in fwd else Phase.BACKWARD if i in bwd else Phase.OPTIMIZER
+        if phase is not Phase.FORWARD:
+            ops[i] = Op(op.id, op.target, op.inputs, op.outputs, op.args, op.kwargs, phase, op.module, op.overload)
+
+
+def _groups(model: nn.Module, program: Program, spec: OptimizerSpec | None) -> list[Group]:
+    shapes = {n: program.values[i].shape for n, i in program.params.items()}
+    by_name = {v.name: v.id for v in program.values}
+    groups = []
+    for key, members in parameter_groups(model, list(program.params), shapes):
+        ids: list[int] = []
+        for n in members:
+            ids.append(program.params[n])
+            names = [f"grad[{n}]", f"updated[{n}]"]
+            for s, sid in program.opt_states.get(n, {}).items():
+                ids.append(sid)
+                names.append(f"updated.opt.{s}[{n}]")
+            ids += [by_name[x] for x in names if x in by_name]
+        groups.append(Group(len(groups), key, shapes[members[0]], tuple(members), tuple(ids)))
+    return groups
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
+    frames = traceback.extract_tb(e.__traceback__)
+    for f in reversed(frames):
+        if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_OUR_DIR):
+            return f
+    return None
+
+
+def _explain(e: Exception, tracker: _ModuleTracker, inputs: tuple[torch.Tensor, ...]) -> CaptureError:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    frame = _user_frame(e)
+    where = f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else ""
+    text = str(e)
+    from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedOperatorException
+
+    if isinstance(e, DataDependentOutputException) or "data-dependent" in text or "data dependent" in text:
+        return CaptureError(
+            f"the model has data-dependent Python control flow or reads a tensor's value{where}: capture traces "
+            "with shapes only, so a branch or `.item()` on tensor values cannot be followed. Replace it with "
+            f"torch.where / masking, or make it depend on shapes only. (torch said: {msg})"
+        )
+    if isinstance(e, UnsupportedOperatorException):
+        return CaptureError(
+            f"operator {e.func} has no shape (meta/fake) implementation, so it cannot be captured{where}. Use a "
+            "standard op instead, or register a fake implementation with torch.library.register_fake."
+        )
+    given = ", ".join(f"inputs[{i}]: {list(x.shape)} {str(x.dtype).removeprefix('torch.')}" for i, x in enumerate(inputs))
+    if tracker.failed_in is not None:
+        path, mod, shapes = tracker.failed_in
+        expect = _expected(mod)
+        own = ", ".join(f"{n} {list(p.shape)}" for n, p in mod.named_parameters(recurse=False))
+        return InputShapeError(
+            f"capture failed in module {path or '<root>'!r} ({type(mod).__name__}{'; ' + own if own else ''}){where}: "
+            f"{msg}. It received input shapes {shapes}{'; it expects ' + expect if expect else ''}. "
+            f"Example inputs given: {given}. Check that the example inputs have the shapes the model expects."
+        )
+    return CaptureError(f"capture failed{where}: {msg}. Example inputs given: {given}.")
+
+
+def _expected(mod: nn.Module) -> str:
+    if isinstance(mod, nn.Linear):
+        return f"[..., {mod.in_features}]"
+    if isinstance(mod, nn.Conv2d | nn.Conv1d | nn.Conv3d):
+        return f"[N, {mod.in_channels}, ...]"
+    if isinstance(mod, nn.Embedding):
+        return f"integer indices < {mod.num_embeddings}"
+    if isinstance(mod, nn.LayerNorm):
+        return f"[..., {', '.join(map(str, mod.normalized_shape))}]"
+    return ""

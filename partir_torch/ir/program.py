@@ -1,0 +1,235 @@
+"""The captured program: flat, integer-indexed values and ops.
+
+The search walks this thousands of times, so it is plain lists of frozen records with integer ids,
+not FX nodes. The FX graph is kept beside it only to *execute* the program (oracles, tests).
+
+>>> # v = program.value("h.0.attn.c_attn.weight"); v.shape, v.role
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class Role(enum.Enum):
+    """What a value is to the training step; tactics and the cost model key off this."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+    OPT_STATE = "optimizer_state"
+    GRADIENT = "gradient"
+    ACTIVATION = "activation"
+    OUTPUT = "output"
+
+
+class Phase(enum.Enum):
+    """Which part of the step an op belongs to (by data flow: ancestors of the loss are forward)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """A value reference inside an op's argument structure."""
+
+    id: int
+
+    def __str__(self) -> str:
+        return f"%{self.id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """A tensor of the program. `producer` is the op id, or -1 for program inputs."""
+
+    id: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    role: Role
+    producer: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        dims = ",".join(map(str, self.shape))
+        return f"%{self.id} {self.name}: {str(self.dtype).removeprefix('torch.')}[{dims}] ({self.role.value})"
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One aten op. `inputs`/`outputs` are value ids; outputs hold -1 where the op returns None."""
+
+    id: int
+    target: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+    phase: Phase
+    module: str | None = None
+    overload: Any = field(default=None, compare=False, repr=False)
+
+    def __str__(self) -> str:
+        outs = ", ".join(f"%{o}" for o in self.outputs)
+        args = ", ".join(map(str, self.args))
+        where = f"  # {self.module}" if self.module else ""
+        return f"{outs} = {self.target}({args}){where}"
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """The same parameter of a repeated layer, with its gradients and optimizer states.
+
+    `key` is the relative path with the repeated index written `*` (`h.*.attn.c_attn.weight`).
+    One action on a group addresses every member at once.
+    """
+
+    id: int
+    key: str
+    shape: tuple[int, ...]
+    params: tuple[str, ...]
+    members: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"group {self.id} {self.key} x{len(self.params)} {list(self.shape)}"
+
+
+@dataclass(eq=False)
+class Program:
+    """A whole training step (or a forward pass) as one functional aten program."""
+
+    values: list[Value]
+    ops: list[Op]
+    params: dict[str, int]
+    buffers: dict[str, int]
+    inputs: list[int]
+    opt_states: dict[str, dict[str, int]]
+    grads: dict[str, int]
+    updates: dict[int, int]
+    outputs: list[int]
+    loss: int | None
+    groups: list[Group]
+    mode: str
+    optimizer: str | None
+    capture_time_s: float = 0.0
+    graph_module: Any = field(default=None, repr=False)
+    _users: list[tuple[int, ...]] | None = field(default=None, repr=False)
+    _by_name: dict[str, int] | None = field(default=None, repr=False)
+
+    # -- lookups -------------------------------------------------------------------------------------
+    @property
+    def users(self) -> list[tuple[int, ...]]:
+        """For each value id, the ids of the ops that read it."""
+        if self._users is None:
+            acc: list[list[int]] = [[] for _ in self.values]
+            for op in self.ops:
+                for v in dict.fromkeys(op.inputs):
+                    acc[v].append(op.id)
+            self._users = [tuple(u) for u in acc]
+        return self._users
+
+    def value(self, name: str) -> Value:
+        """The value called `name`; a KeyError suggests near names when there is none."""
+        if self._by_name is None:
+            self._by_name = {v.name: v.id for v in self.values}
+        try:
+            return self.values[self._by_name[name]]
+        except KeyError:
+            import difflib
+
+            near = difflib.get_close_matches(name, list(self._by_name), n=3)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            raise KeyError(f"no value named {name!r} in the program{hint}") from None
+
+    def values_by_role(self, role: Role) -> list[Value]:
+        return [v for v in self.values if v.role is role]
+
+    # -- summaries -----------------------------------------------------------------------------------
+    def op_counts(self) -> Counter[str]:
+        return Counter(op.target for op in self.ops)
+
+    def param_count(self) -> int:
+        return sum(self.values[i].numel for i in self.params.values())
+
+    def param_bytes(self) -> int:
+        return sum(self.values[i].nbytes for i in self.params.values())
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON form of `partir-torch capture --json`."""
+        roles = Counter(v.role.value for v in self.values)
+        role_bytes: Counter[str] = Counter()
+        for v in self.values:
+            role_bytes[v.role.value] += v.nbytes
+        phases = Counter(op.phase.value for op in self.ops)
+        return {
+            "mode": self.mode,
+            "optimizer": self.optimizer,
+            "ops": len(self.ops),
+            "ops_by_target": dict(self.op_counts().most_common()),
+            "ops_by_phase": dict(phases),
+            "values": len(self.values),
+            "values_by_role": dict(roles),
+            "bytes_by_role": dict(role_bytes),
+            "params": self.param_count(),
+            "param_bytes": self.param_bytes(),
+            "param_tensors": len(self.params),
+            "groups": [[self.values[m].name for m in g.members] for g in self.groups],
+            "group_keys": [g.key for g in self.groups],
+            "capture_time_s": self.capture_time_s,
+        }
+
+    # -- execution (oracle) --------------------------------------------------------------------------
+    def run(
+        self,
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        opt_states: dict[str, dict[str, torch.Tensor]] | None = None,
+    ) -> dict[int, torch.Tensor]:
+        """Execute the captured graph on real tensors; returns {output value id: tensor}.
+
+        This is the unsharded reference every later oracle compares against.
+        """
+        flat: list[torch.Tensor] = []
+        placeholders = self.graph_module.graph.find_nodes(op="placeholder")
+        sources = self._placeholder_sources()
+        for (kind, key, sub) in sources:
+            if kind == "param":
+                flat.append(params[key])
+            elif kind == "buffer":
+                flat.append(buffers[key])
+            elif kind == "state":
+                flat.append((opt_states or {})[key][sub])
+            else:
+                flat.append(inputs[key])
+        assert len(flat) == len(placeholders)
+        outs = self.graph_module(*flat)
+        return dict(zip(self.outputs, outs))
+
+    def _placeholder_sources(self) -> list[tuple[str, Any, str | None]]:
+        srcs: list[tuple[str, Any, str | None]] = [("param", n, None) for n in self.params]
+        srcs += [("buffer", n, None) for n in self.buffers]
+        srcs += [("state", p, s) for p, st in self.opt_states.items() for s in st]
+        srcs += [("input", i, None) for i in range(len(self.inputs))]
+        return srcs
+
+    def __str__(self) -> str:
+        head = f"Program({self.mode}, {len(self.ops)} ops, {len(self.values)} values, {len(self.groups)} groups)"
+        return "\n".join([head, *(f"  {op}" for op in self.ops)])
