@@ -2,8 +2,9 @@
 
 Two sibling modules are *repeats* when they have the same structural signature: the same class, the same
 parameter names, shapes and dtypes, and recursively the same children. A parameter's group key is its path
-with the name of every repeated module on the way replaced by `*` (`h.3.attn.c_attn.weight` becomes
-`h.*.attn.c_attn.weight`); parameters with the same key and shape form a group. No names are interpreted,
+with the name of the outermost repeated module on the way replaced by `*` (`h.3.attn.c_attn.weight` becomes
+`h.*.attn.c_attn.weight`; `h.3.ln_1` and `h.3.ln_2` keep their names, as the relative path inside a repeat
+must match exactly); parameters with the same key and shape form a group. No names are interpreted,
 so a model whose modules are called `p1`, `u`, `v` groups the same way.
 """
 
@@ -46,11 +47,12 @@ def repeated_modules(model: nn.Module) -> set[str]:
 
 
 def group_key(param_path: str, repeated: set[str]) -> str:
+    """Star the outermost repeated module on the path; inside it the relative path must match exactly."""
     parts = param_path.split(".")
-    out = []
-    for i, part in enumerate(parts):
-        out.append("*" if ".".join(parts[: i + 1]) in repeated else part)
-    return ".".join(out)
+    for i in range(len(parts) - 1):
+        if ".".join(parts[: i + 1]) in repeated:
+            return ".".join([*parts[:i], "*", *parts[i + 1 :]])
+    return param_path
 
 
 def parameter_groups(model: nn.Module, names: list[str], shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, list[str]]]:

@@ -7,7 +7,9 @@ as torch's *capturable* single-tensor path (`torch/optim/adam.py::_single_tensor
 compares them, so a torch change that drifts from this is caught.
 
 The captured step is the steady state: every state tensor exists (SGD's momentum buffer too), as after the
-first `optimizer.step()`.
+first `optimizer.step()`. torch keeps one step counter per parameter, all equal; here Adam's counter is one
+shared scalar state (`opt.step`) and the bias corrections are computed once per distinct hyperparameter set,
+which keeps the optimizer phase at ~8 ops per parameter instead of ~20 (same values, fewer scalar ops).
 """
 
 from __future__ import annotations
@@ -43,25 +45,36 @@ class OptimizerSpec:
     hparams: Mapping[str, Mapping[str, Any]]
 
     def state_names(self, param: str) -> tuple[str, ...]:
+        """Per-parameter state tensors (same shape and dtype as the parameter)."""
         hp = self.hparams[param]
         if self.kind == "sgd":
             return ("momentum_buffer",) if hp["momentum"] != 0 else ()
-        return ("step", "exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if hp["amsgrad"] else ()))
+        return ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if hp["amsgrad"] else ()))
 
-    def state_shape(self, state: str, param_shape: tuple[int, ...]) -> tuple[int, ...]:
-        return () if state == "step" else param_shape
+    @property
+    def shared_states(self) -> tuple[str, ...]:
+        """Scalar float32 states shared by all parameters (Adam's step count)."""
+        return () if self.kind == "sgd" else ("step",)
 
-    def state_dtype(self, state: str, param_dtype: torch.dtype) -> torch.dtype:
-        return torch.float32 if state == "step" else param_dtype
+    def advance(self, shared: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The shared states after this step."""
+        return {"step": shared["step"] + 1} if "step" in shared else {}
 
     def update(
-        self, param_name: str, p: torch.Tensor, g: torch.Tensor, state: Mapping[str, torch.Tensor]
+        self,
+        param_name: str,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        state: Mapping[str, torch.Tensor],
+        shared: Mapping[str, torch.Tensor],
+        cache: dict[Any, Any],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One out-of-place update: (new param, new state)."""
+        """One out-of-place update: (new param, new per-parameter state). `shared` holds the advanced step."""
         hp = self.hparams[param_name]
         if self.kind == "sgd":
             return _sgd(p, g, state, **hp)
-        return _adam(p, g, state, decoupled=self.kind == "adamw" or hp.get("decoupled_weight_decay", False), **hp)
+        decoupled = self.kind == "adamw" or hp.get("decoupled_weight_decay", False)
+        return _adam(p, g, state, shared["step"], cache, decoupled=decoupled, **hp)
 
 
 def _sgd(p, g, state, *, lr, momentum, dampening, weight_decay, nesterov, maximize, **_):
@@ -76,10 +89,9 @@ def _sgd(p, g, state, *, lr, momentum, dampening, weight_decay, nesterov, maximi
     return p.add(g, alpha=-lr), new_state
 
 
-def _adam(p, g, state, *, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, **_):
+def _adam(p, g, state, step, cache, *, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled, **_):
     beta1, beta2 = betas
     g = -g if maximize else g
-    step = state["step"] + 1
     if weight_decay != 0:
         if decoupled:
             p = p.mul(1 - lr * weight_decay)
@@ -87,16 +99,19 @@ def _adam(p, g, state, *, lr, betas, eps, weight_decay, amsgrad, maximize, decou
             g = g.add(p, alpha=weight_decay)
     exp_avg = state["exp_avg"].lerp(g, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(g, g, value=1 - beta2)
-    bias_correction1 = 1 - torch.pow(beta1, step)
-    bias_correction2 = 1 - torch.pow(beta2, step)
-    step_size_neg = (lr / bias_correction1).neg()
-    bias_correction2_sqrt = bias_correction2.sqrt()
-    new_state = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    key = (lr, beta1, beta2, eps)
+    if key not in cache:  # scalar bias-correction terms, as torch's capturable path computes them
+        bias_correction1 = 1 - torch.pow(beta1, step)
+        bias_correction2 = 1 - torch.pow(beta2, step)
+        step_size_neg = (lr / bias_correction1).neg()
+        cache[key] = (bias_correction2.sqrt() * step_size_neg, eps / step_size_neg)
+    scale, eps_term = cache[key]
+    new_state = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     second = exp_avg_sq
     if amsgrad:
         second = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
         new_state["max_exp_avg_sq"] = second
-    denom = (second.sqrt() / (bias_correction2_sqrt * step_size_neg)).add(eps / step_size_neg)
+    denom = (second.sqrt() / scale).add(eps_term)
     return p.addcdiv(exp_avg, denom), new_state
 
 

@@ -71,13 +71,15 @@ def capture(
     spec = optimizer_spec(optimizer, params) if mode == "train" else None
     updated = [n for n in trainable if spec is not None and n in spec.hparams]
     states = {n: spec.state_names(n) for n in updated} if spec else {}
+    shared = spec.shared_states if spec and updated else ()
 
     # Flat argument list: params, buffers, optimizer states, inputs (this order is Program.run's too).
     flat_meta: list[tuple[tuple[int, ...], torch.dtype]] = [(tuple(p.shape), p.dtype) for p in params.values()]
     flat_meta += [(tuple(b.shape), b.dtype) for b in buffers.values()]
+    flat_meta += [((), torch.float32) for _ in shared]
     for n in updated:
         p = params[n]
-        flat_meta += [(spec.state_shape(s, tuple(p.shape)), spec.state_dtype(s, p.dtype)) for s in states[n]]
+        flat_meta += [(tuple(p.shape), p.dtype) for _ in states[n]]
     flat_meta += [(tuple(x.shape), x.dtype) for x in inputs]
     fake_mode = FakeTensorMode()
     with fake_mode:
@@ -86,13 +88,14 @@ def capture(
     names = list(params)
     bnames = list(buffers)
     n_p, n_b = len(names), len(bnames)
-    n_s = sum(len(s) for s in states.values())
+    n_s = len(shared) + sum(len(s) for s in states.values())
     tracker = _ModuleTracker(model)
 
     def step(*flat: torch.Tensor) -> list[torch.Tensor]:
         p_vals = dict(zip(names, flat[:n_p]))
         b_vals = dict(zip(bnames, flat[n_p : n_p + n_b]))
         s_iter = iter(flat[n_p + n_b : n_p + n_b + n_s])
+        shared_vals = {s: next(s_iter) for s in shared}
         s_vals = {n: {s: next(s_iter) for s in states[n]} for n in updated}
         xs = flat[n_p + n_b + n_s :]
         if mode == "inference":
@@ -114,9 +117,10 @@ def capture(
 
         grads, loss = torch.func.grad_and_value(loss_of)([p_vals[n] for n in trainable])
         grads = dict(zip(trainable, grads))
-        new_params, new_states = [], []
+        new_shared = spec.advance(shared_vals) if updated else {}
+        new_params, new_states, cache = [], [new_shared[s] for s in shared], {}
         for n in updated:
-            new_p, new_s = spec.update(n, p_vals[n], grads[n], s_vals[n])
+            new_p, new_s = spec.update(n, p_vals[n], grads[n], s_vals[n], new_shared, cache)
             new_params.append(new_p)
             new_states += [new_s[s] for s in states[n]]
         return [loss, *(grads[n] for n in trainable), *new_params, *new_states]
@@ -135,19 +139,25 @@ def capture(
         out_roles += [(Role.GRADIENT, f"grad[{n}]", None) for n in trainable]
         out_roles += [(Role.OUTPUT, f"updated[{n}]", names.index(n)) for n in updated]
         k = n_p + n_b
+        for s in shared:
+            out_roles.append((Role.OUTPUT, f"updated.opt.{s}", k))
+            k += 1
         for n in updated:
             for s in states[n]:
                 out_roles.append((Role.OUTPUT, f"updated.opt.{s}[{n}]", k))
                 k += 1
     in_roles = [(Role.PARAMETER, n) for n in names] + [(Role.BUFFER, n) for n in bnames]
+    in_roles += [(Role.OPT_STATE, f"opt.{s}") for s in shared]
     in_roles += [(Role.OPT_STATE, f"opt.{s}[{n}]") for n in updated for s in states[n]]
     in_roles += [(Role.INPUT, f"inputs[{i}]") for i in range(len(inputs))]
     program = _to_program(gm, in_roles, out_roles, mode)
     program.params = {n: i for i, n in enumerate(names)}
     program.buffers = {n: n_p + i for i, n in enumerate(bnames)}
     k = n_p + n_b
+    program.shared_states = {s: k + i for i, s in enumerate(shared)}
+    k += len(shared)
     for n in updated:
-        program.opt_states[n] = {}
+        program.opt_states[n] = dict(program.shared_states)
         for s in states[n]:
             program.opt_states[n][s] = k
             k += 1

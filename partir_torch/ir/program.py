@@ -120,7 +120,7 @@ class Program:
     params: dict[str, int]
     buffers: dict[str, int]
     inputs: list[int]
-    opt_states: dict[str, dict[str, int]]
+    opt_states: dict[str, dict[str, int]]  # param -> state name -> value id (shared states included)
     grads: dict[str, int]
     updates: dict[int, int]
     outputs: list[int]
@@ -128,6 +128,7 @@ class Program:
     groups: list[Group]
     mode: str
     optimizer: str | None
+    shared_states: dict[str, int] = field(default_factory=dict)
     capture_time_s: float = 0.0
     graph_module: Any = field(default=None, repr=False)
     _users: list[tuple[int, ...]] | None = field(default=None, repr=False)
@@ -226,7 +227,9 @@ class Program:
     def _placeholder_sources(self) -> list[tuple[str, Any, str | None]]:
         srcs: list[tuple[str, Any, str | None]] = [("param", n, None) for n in self.params]
         srcs += [("buffer", n, None) for n in self.buffers]
-        srcs += [("state", p, s) for p, st in self.opt_states.items() for s in st]
+        first = next(iter(self.opt_states), None)
+        srcs += [("state", first, s) for s in self.shared_states]
+        srcs += [("state", p, s) for p, st in self.opt_states.items() for s in st if s not in self.shared_states]
         srcs += [("input", i, None) for i in range(len(self.inputs))]
         return srcs
 
