@@ -1,7 +1,9 @@
 """Repeated-layer groups, found from the module tree and shapes alone.
 
-Two sibling modules are *repeats* when they have the same structural signature: the same class, the same
-parameter names, shapes and dtypes, and recursively the same children. A parameter's group key is its path
+Two modules are *repeats* when they are elements of the same container (`nn.ModuleList`, `nn.Sequential`,
+`nn.ModuleDict`: the way PyTorch models write "N of this layer") and have the same structural signature:
+the same class, the same parameter names, shapes and dtypes, and recursively the same children. Two
+attributes of one block that merely share a type (`bn1`, `bn2`) are different layers, not repeats. A parameter's group key is its path
 with the name of the outermost repeated module on the way replaced by `*` (`h.3.attn.c_attn.weight` becomes
 `h.*.attn.c_attn.weight`; `h.3.ln_1` and `h.3.ln_2` keep their names, as the relative path inside a repeat
 must match exactly); parameters with the same key and shape form a group. No names are interpreted,
@@ -36,12 +38,16 @@ def _signatures(model: nn.Module) -> dict[str, int]:
     return sigs
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
 def repeated_modules(model: nn.Module) -> set[str]:
-    """Paths of modules that have at least one structurally identical sibling."""
+    """Paths of container elements that have at least one structurally identical sibling."""
     sigs = _signatures(model)
+    containers = {p for p, m in model.named_modules(remove_duplicate=False) if isinstance(m, _CONTAINERS)}
     by_parent: dict[str, Counter[int]] = defaultdict(Counter)
     for path, sig in sigs.items():
-        if path:
+        if path and path.rpartition(".")[0] in containers:
             by_parent[path.rpartition(".")[0]][sig] += 1
     return {p for p, s in sigs.items() if p and by_parent[p.rpartition(".")[0]][s] > 1}
 

@@ -106,8 +106,10 @@ def capture(
                 raise CaptureError("the model returned no tensor")
             return leaves
 
-        def loss_of(train_vals: list[torch.Tensor]) -> torch.Tensor:
-            with _reparametrize_module(model, {**p_vals, **dict(zip(trainable, train_vals)), **b_vals}, tie_weights=True):
+        # Buffers go in as an argument of the differentiated function: torch.func lets it mutate those
+        # (BatchNorm's running statistics); functionalization then turns each mutation into an output.
+        def loss_of(train_vals: list[torch.Tensor], buf_vals: dict[str, torch.Tensor]) -> torch.Tensor:
+            with _reparametrize_module(model, {**p_vals, **dict(zip(trainable, train_vals)), **buf_vals}, tie_weights=True):
                 loss = loss_fn(model, *xs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -115,7 +117,7 @@ def capture(
             _tag_backward(loss)
             return loss.reshape(())
 
-        grads, loss = torch.func.grad_and_value(loss_of)([p_vals[n] for n in trainable])
+        grads, loss = torch.func.grad_and_value(loss_of)([p_vals[n] for n in trainable], b_vals)
         grads = dict(zip(trainable, grads))
         new_shared = spec.advance(shared_vals) if updated else {}
         new_params, new_states, cache = [], [new_shared[s] for s in shared], {}
@@ -254,9 +256,21 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
     placeholders = gm.graph.find_nodes(op="placeholder")
     for node, (role, name) in zip(placeholders, in_roles):
         env[node] = new_value(name, node.meta["val"], role, -1)
+    placeholder_ids = {env[n] for n in placeholders}
+    mutated: list[tuple[int, int]] = []  # (input value, its new value): functionalized buffer mutations
+    constants: dict[str, int] = {}
 
     for node in gm.graph.nodes:
+        if node.op == "get_attr":  # a tensor constant the model created (e.g. torch.tensor(-inf))
+            const = getattr(gm, node.target)
+            env[node] = new_value(f"constant[{node.target}]", const, Role.BUFFER, -1)
+            constants[node.target] = env[node]
+            continue
         if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.copy_.default and env.get(node.args[0]) in placeholder_ids:
+            mutated.append((env[node.args[0]], env[node.args[1]]))
+            env[node] = env[node.args[1]]
             continue
         if node.target is operator.getitem:
             env[node] = env[node.args[0]][node.args[1]]
@@ -295,6 +309,9 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
 
     (out_args,) = gm.graph.find_nodes(op="output")[0].args
     outputs = [env[a] for a in out_args]
+    for old, new in mutated:
+        outputs.append(new)
+        out_roles = [*out_roles, (Role.OUTPUT, f"updated[{values[old].name}]", old)]
     updates: dict[int, int] = {}
     renamed: set[int] = set()
     for vid, (role, name, src) in zip(outputs, out_roles):
@@ -308,7 +325,10 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
 
     if mode == "train":
         _assign_phases(ops, values, outputs)
-    return Program(values, ops, {}, {}, [], {}, {}, updates, outputs, None, [], mode, None, graph_module=gm)
+    program = Program(values, ops, {}, {}, [], {}, {}, updates, outputs, None, [], mode, None, graph_module=gm)
+    program.constants = constants
+    program.n_graph_outputs = len(out_args)
+    return program
 
 
 def _assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> None:

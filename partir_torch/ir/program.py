@@ -129,6 +129,8 @@ class Program:
     mode: str
     optimizer: str | None
     shared_states: dict[str, int] = field(default_factory=dict)
+    constants: dict[str, int] = field(default_factory=dict)  # tensor constants of the graph, by attribute
+    n_graph_outputs: int = 0  # outputs beyond these are functionalized buffer mutations
     capture_time_s: float = 0.0
     graph_module: Any = field(default=None, repr=False)
     _users: list[tuple[int, ...]] | None = field(default=None, repr=False)
@@ -206,8 +208,10 @@ class Program:
     ) -> dict[int, torch.Tensor]:
         """Execute the captured graph on real tensors; returns {output value id: tensor}.
 
-        This is the unsharded reference every later oracle compares against.
+        This is the unsharded reference every later oracle compares against. Buffers the model mutates
+        (BatchNorm statistics) are cloned first, so the caller's tensors are never written.
         """
+        buffers = {k: v.clone() for k, v in buffers.items()}
         flat: list[torch.Tensor] = []
         placeholders = self.graph_module.graph.find_nodes(op="placeholder")
         sources = self._placeholder_sources()
@@ -221,8 +225,15 @@ class Program:
             else:
                 flat.append(inputs[key])
         assert len(flat) == len(placeholders)
-        outs = self.graph_module(*flat)
+        outs = list(self.graph_module(*flat))
+        by_id = {vid: flat[i] for i, vid in enumerate(self._placeholder_ids())}
+        outs += [by_id[self.updates[o]] for o in self.outputs[self.n_graph_outputs :]]
         return dict(zip(self.outputs, outs))
+
+    def _placeholder_ids(self) -> list[int]:
+        ids = [*self.params.values(), *self.buffers.values(), *self.shared_states.values()]
+        ids += [vid for st in self.opt_states.values() for s, vid in st.items() if s not in self.shared_states]
+        return [*ids, *self.inputs]
 
     def _placeholder_sources(self) -> list[tuple[str, Any, str | None]]:
         srcs: list[tuple[str, Any, str | None]] = [("param", n, None) for n in self.params]
