@@ -129,11 +129,13 @@ def capture(
 
     try:
         with fx_traceback.preserve_node_meta(), tracker:
-            gm = make_fx(torch.func.functionalize(step, remove="mutations"), tracing_mode="fake")(*fakes)
+            traced = torch.func.functionalize(step, remove="mutations")
+            gm = make_fx(traced, decomposition_table=_FUNCTIONAL_DECOMPS, tracing_mode="fake")(*fakes)
     except CaptureError:
         raise
     except Exception as e:  # translate torch's errors into ones that name what to change
         raise _explain(e, tracker, inputs) from e
+    _check_functional(gm)
 
     out_roles: list[tuple[Role, str, int | None]] = []  # (role, name, index of the updated flat input)
     if mode == "train":
@@ -171,6 +173,40 @@ def capture(
     program.groups = _groups(model, program, spec)
     program.capture_time_s = time.perf_counter() - t0
     return program
+
+
+# -- functional form ---------------------------------------------------------------------------------------
+aten = torch.ops.aten
+
+
+def _bn_legit(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """BatchNorm that updates its running statistics in place, rewritten as the functional op plus copies.
+
+    Functionalization cannot see the in-place write inside `_native_batch_norm_legit` under a grad
+    transform; the `copy_`s it does see become buffer outputs (`updated[bn.running_mean]`).
+    """
+    out, mean, rstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
+        x, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
+    return out, mean, rstd
+
+
+_FUNCTIONAL_DECOMPS = {aten._native_batch_norm_legit.default: _bn_legit}
+
+
+def _check_functional(gm: torch.fx.GraphModule) -> None:
+    """No op of the captured program may write its arguments (except the final buffer copies)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is aten.copy_.default:
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            raise CaptureError(
+                f"operator {node.target} writes one of its inputs in place and could not be made functional; "
+                "use its out-of-place form in the model, or report the op so a functional rewrite is added"
+            )
 
 
 # -- module attribution ------------------------------------------------------------------------------------

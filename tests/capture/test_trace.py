@@ -1,0 +1,113 @@
+"""Capture of the whole step: roles, names, phases, attribution, inference mode, meta models, buffers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from partir_torch import Phase, Role, capture, models
+
+
+def test_every_value_has_shape_dtype_and_role(tiny):
+    model, inputs, loss_fn = tiny
+    p = capture(model, inputs, loss_fn, "adamw")
+    assert p.mode == "train"
+    assert {v.role for v in p.values} >= {Role.PARAMETER, Role.INPUT, Role.OPT_STATE, Role.GRADIENT, Role.ACTIVATION, Role.OUTPUT}
+    for name, param in model.named_parameters():
+        v = p.value(name)
+        assert v.role is Role.PARAMETER and v.shape == tuple(param.shape) and v.dtype == param.dtype
+        g = p.values[p.grads[name]]
+        assert g.role is Role.GRADIENT and g.name == f"grad[{name}]" and g.shape == v.shape
+        assert p.value(f"opt.exp_avg[{name}]").role is Role.OPT_STATE
+        assert p.updates[p.value(f"updated[{name}]").id] == v.id
+    assert [p.values[i].name for i in p.inputs] == ["inputs[0]", "inputs[1]"]
+    assert p.values[p.loss].shape == () and p.values[p.loss].role is Role.OUTPUT
+    # ops reference only existing values, producers are consistent, and the order is topological
+    for op in p.ops:
+        assert all(p.values[i].producer < op.id for i in op.inputs)
+        assert all(p.values[o].producer == op.id for o in op.outputs if o >= 0)
+
+
+def test_phases_follow_data_flow(tiny):
+    model, inputs, loss_fn = tiny
+    p = capture(model, inputs, loss_fn, "sgd")
+    phases = [op.phase for op in p.ops]
+    assert phases.count(Phase.FORWARD) and phases.count(Phase.BACKWARD) and phases.count(Phase.OPTIMIZER)
+    # the optimizer phase writes the updated parameters; the loss is forward
+    assert p.ops[p.values[p.loss].producer].phase is Phase.FORWARD
+    for n in p.params:
+        assert p.ops[p.value(f"updated[{n}]").producer].phase is Phase.OPTIMIZER
+    mms = [op for op in p.ops if op.target in ("aten.mm.default", "aten.addmm.default")]
+    assert {op.phase for op in mms} == {Phase.FORWARD, Phase.BACKWARD}
+
+
+def test_ops_link_back_to_modules_forward_and_backward(tiny):
+    model, inputs, loss_fn = tiny
+    p = capture(model, inputs, loss_fn, "adamw")
+    fwd = {op.module for op in p.ops if op.target == "aten.addmm.default"}
+    assert fwd == {"blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down", "head"}
+    bwd = {op.module for op in p.ops if op.phase is Phase.BACKWARD and op.target == "aten.mm.default"}
+    assert {"blocks.0.up", "blocks.1.down", "head"} <= bwd
+    assert any(op.module == "blocks.0.norm" for op in p.ops if op.target == "aten.native_layer_norm_backward.default")
+
+
+def test_program_is_flat_and_json_summary(tiny):
+    model, inputs, loss_fn = tiny
+    p = capture(model, inputs, loss_fn, "adamw")
+    s = p.summary()
+    assert s["ops"] == len(p.ops) and s["params"] == sum(x.numel() for x in model.parameters())
+    assert s["param_bytes"] == 4 * s["params"]
+    assert isinstance(s["capture_time_s"], float) and s["capture_time_s"] > 0
+    assert sum(s["ops_by_target"].values()) == s["ops"]
+    assert all(isinstance(op.target, str) and isinstance(op.inputs, tuple) for op in p.ops)
+
+
+def test_inference_mode_is_forward_only(tiny):
+    model, inputs, _ = tiny
+    p = capture(model, inputs[:1], mode="inference")
+    assert p.mode == "inference" and p.optimizer is None and not p.grads
+    assert {op.phase for op in p.ops} == {Phase.FORWARD}
+    out = p.run(dict(model.named_parameters()), {}, inputs[:1])
+    torch.testing.assert_close(next(iter(out.values())), model(inputs[0]))
+
+
+def test_meta_model_captures_without_allocating():
+    # A Llama-7B-shaped model (two of its 32 layers) on meta: the shapes of a real 7B layer, no weights.
+    model, inputs, loss_fn = models.build("llama-7b", {"layers": "2", "seq": "256", "batch": "1"}, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    p = capture(model, inputs, loss_fn, "adamw")
+    assert p.value("layers.1.mlp.gate_proj.weight").shape == (11008, 4096)
+    assert p.param_count() == sum(x.numel() for x in model.parameters())
+    assert all(x.is_meta for x in model.parameters())  # untouched
+
+
+class _BN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def _mse(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+def test_buffer_mutations_become_outputs_with_eager_values():
+    torch.manual_seed(0)
+    model, x, y = _BN(), torch.randn(4, 3, 8, 8), torch.randn(4, 2)
+    p = capture(model, (x, y), _mse, "sgd")
+    new_mean = p.value("updated[bn.running_mean]")
+    assert new_mean.role is Role.OUTPUT and p.updates[new_mean.id] == p.value("bn.running_mean").id
+    before = {k: v.clone() for k, v in model.named_buffers()}
+    out = p.run(dict(model.named_parameters()), dict(model.named_buffers()), (x, y),
+                {n: {"momentum_buffer": torch.zeros_like(q)} for n, q in model.named_parameters()})
+    for k, v in model.named_buffers():
+        assert torch.equal(v, before[k])  # run() never writes the caller's buffers
+    _mse(model, x, y)  # eager forward in train mode updates the running statistics
+    torch.testing.assert_close(out[new_mean.id], model.bn.running_mean)
+    torch.testing.assert_close(out[p.value("updated[bn.running_var]").id], model.bn.running_var)

@@ -1,0 +1,48 @@
+"""Shared fixtures: small real models to capture and to check captured programs against eager torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyNet(nn.Module):
+    """Embedding, two repeated blocks, a head: enough to exercise roles, groups and attribution."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+
+@pytest.fixture
+def tiny():
+    torch.manual_seed(0)
+    model = TinyNet()
+    tokens = torch.randint(0, 32, (2, 8))
+    targets = torch.randint(0, 32, (2, 8))
+    return model, (tokens, targets), lm_loss
