@@ -37,7 +37,10 @@ def load(spec: str, overrides: dict[str, str] | None = None, *, device: str = "m
         return _from_file(Path(path), factory_name, overrides or {})
     from partir_torch import models
 
-    return models.build(spec, overrides, device=device)
+    try:
+        return models.build(spec, overrides, device=device)
+    except ValueError as e:  # unknown name or config key: the zoo's message lists the valid ones
+        raise PartirError(str(e)) from e
 
 
 def _from_file(path: Path, factory_name: str, overrides: dict[str, str]) -> Workload:
