@@ -83,7 +83,7 @@ def main() -> None:
             verdict = ("ok " if ok else "MISS ") + f"<= {tgt[0]} s" + (f", <= {tgt[1]} GiB" if tgt[1] else "")
         t.add_row(r["model"], f"{r['params'] / 1e9:.2f}B", str(r["ops"]), str(r["groups"]), f"{r['first_s']:.2f}",
                   f"{r['median_s']:.2f}", f"{r['peak_rss_gib']:.2f}", verdict)
-    Console().print(t)
+    Console(width=140).print(t)
     out = {"machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count(), "node": platform.machine()},
            "repeat": args.repeat, "results": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
