@@ -434,16 +434,22 @@ def _explain(e: Exception, tracker: _ModuleTracker, inputs: tuple[torch.Tensor, 
             "standard op instead, or register a fake implementation with torch.library.register_fake."
         )
     given = ", ".join(f"inputs[{i}]: {list(x.shape)} {str(x.dtype).removeprefix('torch.')}" for i, x in enumerate(inputs))
+    in_module = ""
     if tracker.failed_in is not None:
         path, mod, shapes = tracker.failed_in
-        expect = _expected(mod)
         own = ", ".join(f"{n} {list(p.shape)}" for n, p in mod.named_parameters(recurse=False))
+        in_module = f" in module {path or '<root>'!r} ({type(mod).__name__}{'; ' + own if own else ''})"
+    if tracker.failed_in is not None and any(w in text.lower() for w in _SHAPE_WORDS):
+        expect = _expected(mod)
         return InputShapeError(
             f"capture failed in module {path or '<root>'!r} ({type(mod).__name__}{'; ' + own if own else ''}){where}: "
             f"{msg}. It received input shapes {shapes}{'; it expects ' + expect if expect else ''}. "
             f"Example inputs given: {given}. Check that the example inputs have the shapes the model expects."
         )
-    return CaptureError(f"capture failed{where}: {msg}. Example inputs given: {given}.")
+    return CaptureError(f"capture failed{in_module}{where}: {msg}. Example inputs given: {given}.")
+
+
+_SHAPE_WORDS = ("shape", "size", "dimension", "mat1 and mat2", "expected input", "must match", "broadcast")
 
 
 def _expected(mod: nn.Module) -> str:

@@ -100,3 +100,23 @@ def test_non_scalar_loss_and_non_tensor_inputs(tiny):
         capture(model, inputs[:1], lambda m, x: m(x), "sgd")
     with pytest.raises(CaptureError, match=r"example input 1 is a int"):
         capture(model, (inputs[0], 3), lambda m, x, k: m(x).sum(), "sgd")
+
+
+@torch.library.custom_op("partir_test::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class _Opaque(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _opaque(self.fc(x))
+
+
+def test_untraceable_op_names_the_source_line_and_module():
+    model = _Opaque()
+    with pytest.raises(CaptureError, match=r"in module '<root>' \(_Opaque\) at .*test_errors\.py:\d+ \(`return _opaque\(self\.fc\(x\)\)`\)"):
+        capture(model, (torch.randn(2, 4),), _loss, "sgd")
