@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -83,11 +85,12 @@ class GPTBlock(nn.Module):
 class GPT(nn.Module):
     """Token + learned position embeddings, ``h`` blocks, ``ln_f`` and an (optionally tied) LM head."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, block: Callable[[Any], nn.Module] | None = None) -> None:
         super().__init__()
+        block = block or GPTBlock  # the MoE transformer swaps in its own block
         self.wte = nn.Embedding(cfg.vocab, cfg.width)
         self.wpe = nn.Embedding(cfg.seq, cfg.width)
-        self.h = nn.ModuleList(GPTBlock(cfg) for _ in range(cfg.layers))
+        self.h = nn.ModuleList(block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
         self.lm_head = nn.Linear(cfg.width, cfg.vocab, bias=False)
         # GPT-2 init scale for embeddings; N(0, 1) would make tied logits huge. Cheap on meta.
@@ -108,7 +111,7 @@ def build_model(cfg: GPTConfig) -> GPT:
     return GPT(cfg)
 
 
-def example_inputs(cfg: GPTConfig, device: torch.device) -> tuple[Tensor, ...]:
+def example_inputs(cfg: Any, device: torch.device) -> tuple[Tensor, ...]:
     """``(tokens, targets)``, both int64 ``[batch, seq]``."""
     gen = example_generator()
     shape = (cfg.batch, cfg.seq)

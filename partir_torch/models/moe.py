@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ._common import check_common, example_generator, randint, require
-from .gpt import CausalSelfAttention
+from ._common import check_common, require
+from .gpt import GPT, CausalSelfAttention
+from .gpt import example_inputs as gpt_example_inputs
 
 
 @dataclass(frozen=True)
@@ -111,35 +112,15 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.ln_2(x))
 
 
-class MoETransformer(nn.Module):
+class MoETransformer(GPT):
     """GPT-style LM (``wte``, ``wpe``, ``h``, ``ln_f``, ``lm_head``) with MoE blocks."""
 
     def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(cfg.vocab, cfg.width)
-        self.wpe = nn.Embedding(cfg.seq, cfg.width)
-        self.h = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
-        self.lm_head = nn.Linear(cfg.width, cfg.vocab, bias=False)
-        nn.init.normal_(self.wte.weight, std=0.02)
-        nn.init.normal_(self.wpe.weight, std=0.01)
-        if cfg.tie:
-            self.lm_head.weight = self.wte.weight
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.wte(tokens) + self.wpe(pos)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+        super().__init__(cfg, MoEBlock)
 
 
 def build_model(cfg: MoEConfig) -> MoETransformer:
     return MoETransformer(cfg)
 
 
-def example_inputs(cfg: MoEConfig, device: torch.device) -> tuple[Tensor, ...]:
-    """``(tokens, targets)``, both int64 ``[batch, seq]``."""
-    gen = example_generator()
-    shape = (cfg.batch, cfg.seq)
-    return randint(cfg.vocab, shape, device, gen), randint(cfg.vocab, shape, device, gen)
+example_inputs = gpt_example_inputs  # (tokens, targets), both int64 [batch, seq]
