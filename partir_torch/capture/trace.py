@@ -285,8 +285,6 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
             return Ref(v) if isinstance(v, int) else tuple(Ref(x) for x in v)
         if isinstance(a, (list, tuple)):
             return type(a)(ref(x) for x in a)
-        if isinstance(a, torch.dtype | torch.device | torch.layout | torch.memory_format):
-            return a
         return a
 
     placeholders = gm.graph.find_nodes(op="placeholder")
