@@ -17,3 +17,14 @@ class UnsupportedOptimizerError(CaptureError):
 
 class InputShapeError(CaptureError):
     """The example inputs do not fit the model."""
+
+
+class MeshError(PartirError):
+    """A mesh or a mesh axis is malformed or unknown."""
+
+
+class IllegalActionError(PartirError):
+    """A sharding action cannot apply: the axis is used already, the dim does not divide, and so on.
+
+    The search skips actions that raise this; users see it for bad manual specs.
+    """

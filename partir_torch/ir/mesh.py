@@ -1,0 +1,67 @@
+"""An abstract device mesh: named axes with sizes, no devices.
+
+Search and cost analysis see only this (plus per-axis bandwidths from a hardware preset); device ids
+appear only when a backend applies a plan.
+
+>>> m = Mesh.parse("batch=2,model=4")
+>>> str(m), m.size("model"), m.devices
+('Mesh{batch:2, model:4}', 4, 8)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from partir_torch.errors import MeshError
+
+
+@dataclass(frozen=True)
+class Mesh:
+    axes: tuple[tuple[str, int], ...]
+
+    def __post_init__(self) -> None:
+        seen = set()
+        for name, size in self.axes:
+            if not name.isidentifier():
+                raise MeshError(f"mesh axis name {name!r} must be an identifier (e.g. 'batch', 'model')")
+            if name in seen:
+                raise MeshError(f"mesh axis {name!r} appears twice in {dict(self.axes)}")
+            if not isinstance(size, int) or size < 1:
+                raise MeshError(f"mesh axis {name!r} has size {size!r}; sizes are positive integers")
+            seen.add(name)
+
+    @classmethod
+    def of(cls, axes: Mapping[str, int]) -> Mesh:
+        return cls(tuple((str(k), int(v)) for k, v in axes.items()))
+
+    @classmethod
+    def parse(cls, text: str) -> Mesh:
+        """`"batch=2,model=4"`, the CLI's form."""
+        axes = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, size = part.partition("=")
+            if not sep or not size.strip().isdigit():
+                raise MeshError(f"mesh entry {part!r} is not axis=size (e.g. --mesh batch=2,model=4)")
+            axes.append((name.strip(), int(size)))
+        if not axes:
+            raise MeshError(f"empty mesh {text!r}; write e.g. batch=2,model=4")
+        return cls(tuple(axes))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    def size(self, axis: str) -> int:
+        for name, size in self.axes:
+            if name == axis:
+                return size
+        raise MeshError(f"unknown mesh axis {axis!r}; this mesh has axes {list(self.names)}")
+
+    def __str__(self) -> str:
+        return "Mesh{" + ", ".join(f"{n}:{s}" for n, s in self.axes) + "}"

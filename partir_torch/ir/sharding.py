@@ -1,0 +1,76 @@
+"""Per-value shardings: for each dim the ordered mesh axes that tile it (major to minor), plus partial axes.
+
+Written like the paper and like JAX: `P('batch', None)`, `P(('batch', 'model'), None)`, and a pending
+reduction as `P(None, None) + sum{model}`. An axis appears at most once per value.
+
+>>> s = Sharding.replicated(2).tile(0, "batch")
+>>> str(s), s.to_spec()
+("P('batch', None)", ['batch', None])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from partir_torch.errors import IllegalActionError
+from partir_torch.ir.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Sharding:
+    dims: tuple[tuple[str, ...], ...]
+    partial: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def replicated(cls, rank: int) -> Sharding:
+        return cls(((),) * rank)
+
+    @classmethod
+    def from_spec(cls, spec: list) -> Sharding:
+        """The JSON / torch_xla partition-spec form: one entry per dim, None, an axis, or a list of axes."""
+        dims = tuple(() if d is None else (d,) if isinstance(d, str) else tuple(d) for d in spec)
+        return cls(dims)
+
+    @property
+    def axes(self) -> frozenset[str]:
+        return frozenset(a for d in self.dims for a in d) | self.partial
+
+    def tile(self, dim: int, axis: str, *, value: str = "value", shape: tuple[int, ...] | None = None,
+             mesh: Mesh | None = None) -> Sharding:
+        """This sharding with `dim` further tiled (minor-most) by `axis`; checks the rule of §1."""
+        if not -len(self.dims) <= dim < len(self.dims):
+            raise IllegalActionError(f"{value} has rank {len(self.dims)}; dim {dim} does not exist")
+        dim %= len(self.dims)
+        if axis in self.axes:
+            raise IllegalActionError(
+                f"axis {axis!r} is already used on {value} (sharding {self}); an axis tiles a value at most once"
+            )
+        if shape is not None and mesh is not None:
+            k = mesh.size(axis)
+            for a in self.dims[dim]:
+                k *= mesh.size(a)
+            if shape[dim] % k:
+                raise IllegalActionError(
+                    f"cannot tile {value} {list(shape)} dim {dim} (size {shape[dim]}) over {axis!r}: "
+                    f"the dim must divide by the product of its axes' sizes {k} "
+                    f"({', '.join(f'{a}={mesh.size(a)}' for a in (*self.dims[dim], axis))})"
+                )
+        dims = list(self.dims)
+        dims[dim] = (*dims[dim], axis)
+        return Sharding(tuple(dims), self.partial)
+
+    def local_shape(self, shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
+        out = []
+        for size, axes in zip(shape, self.dims):
+            for a in axes:
+                size //= mesh.size(a)
+            out.append(size)
+        return tuple(out)
+
+    def to_spec(self) -> list:
+        return [None if not d else d[0] if len(d) == 1 else list(d) for d in self.dims]
+
+    def __str__(self) -> str:
+        parts = ["None" if not d else repr(d[0]) if len(d) == 1 else repr(d) for d in self.dims]
+        text = f"P({', '.join(parts)})"
+        return text + (" + sum{" + ", ".join(sorted(self.partial)) + "}" if self.partial else "")
