@@ -1,0 +1,214 @@
+"""Tile-mapping rules: what a sharded operand dimension means for an op, as factors (PartIR §3).
+
+A rule lists the op's *factors* (named loop dimensions) and, for each tensor operand and result, which
+factor each dimension carries (or none). Tiling a factor over a mesh axis tiles every dimension that
+carries it. A factor carried by operands but missing from a result makes that result *partial* (a pending
+sum) when the factor is tiled — `reduced`; a factor whose tiling would change the op's meaning (softmax's
+normalized dim, a gathered index dim, a convolution's spatial dims) is in `replicate`.
+
+Rules are written as einsum-like specs, e.g. matmul `"mk,kn->mn"`; `_` marks a dimension that carries no
+factor (a broadcast or a size-1 dim). `rule_for(op, program)` is the lookup chain: an explicit rule, else the
+opt-in replicate fallback (warns and names the op), else an error that names the op and how to add a rule.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from partir_torch.errors import PartirError
+from partir_torch.ir.program import Op, Program, Ref
+
+
+class MissingRuleError(PartirError):
+    """An op of the program has no tile-mapping rule."""
+
+
+@dataclass(frozen=True, slots=True)
+class TMap:
+    """One tensor of an op: its value id and, per dimension, the factor it carries (None: no factor)."""
+
+    value: int
+    dims: tuple[int | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OpRule:
+    name: str
+    letters: str  # factor i is letters[i]; for printing
+    operands: tuple[TMap, ...]
+    results: tuple[TMap, ...]
+    replicate: frozenset[int]
+    reduced: tuple[frozenset[int], ...]  # per result: factors it is a sum over
+    mean_over: tuple[frozenset[int], ...]  # per result: tiling these divides the local result by the tiling
+    partialize: frozenset[int]  # operand positions that join a sum (addmm's bias): given as a partial
+
+    def __str__(self) -> str:
+        def fmt(t: TMap) -> str:
+            return "".join("_" if f is None else self.letters[f] for f in t.dims) or "()"
+
+        rep = f" replicate {{{','.join(self.letters[f] for f in sorted(self.replicate))}}}" if self.replicate else ""
+        return f"{self.name}: {','.join(map(fmt, self.operands))}->{','.join(map(fmt, self.results))}{rep}"
+
+
+RuleFn = Callable[[Op, Program], OpRule]
+_RULES: dict[str, tuple[str, RuleFn]] = {}
+
+
+def register(*targets: str) -> Callable[[RuleFn], RuleFn]:
+    """Register a rule for aten ops named like `aten.mm.default` (the IR's `Op.target`)."""
+
+    def deco(fn: RuleFn) -> RuleFn:
+        for t in targets:
+            if t in _RULES:
+                raise ValueError(f"two rules for {t}: {_RULES[t][0]} and {fn.__module__}.{fn.__name__}")
+            _RULES[t] = (f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}", fn)
+        return fn
+
+    return deco
+
+
+def rule_name(target: str) -> str | None:
+    _load()
+    entry = _RULES.get(target)
+    return entry[0] if entry else None
+
+
+def registered() -> dict[str, str]:
+    _load()
+    return {t: n for t, (n, _) in _RULES.items()}
+
+
+def rule_for(op: Op, program: Program, *, fallback: bool = False) -> OpRule:
+    _load()
+    entry = _RULES.get(op.target)
+    if entry is not None:
+        return entry[1](op, program)
+    if fallback:
+        warnings.warn(
+            f"no tile-mapping rule for {op.target} (op {op.id}, module {op.module}): it runs replicated, every "
+            "sharded operand is all-gathered first", stacklevel=2,
+        )
+        return replicated_rule(op, program)
+    raise MissingRuleError(
+        f"no tile-mapping rule for {op.target} (op {op.id}, module {op.module or '?'}); add one in "
+        f"partir_torch/rules/<family>.py with @register({op.target!r}), or pass fallback=True to run it replicated"
+    )
+
+
+def replicated_rule(op: Op, program: Program) -> OpRule:
+    """Every dim its own factor, all of them replicated: correct for any op, never sharded."""
+    results = [o for o in op.outputs if o >= 0]
+    spec = ",".join(_fresh(program, tensor_args(op), 0)) + "->" + ",".join(_fresh(program, results, 1 << 12))
+    return spec_rule(op, program, spec, replicate="*", name="replicated")
+
+
+def _fresh(program: Program, vids: Iterable[int], base: int) -> list[str]:
+    """Distinct single-character letters for every dim of `vids` (outside the ASCII range used by specs)."""
+    out, k = [], base
+    for v in vids:
+        n = len(program.values[v].shape)
+        out.append("".join(chr(0x100 + k + i) for i in range(n)))
+        k += n
+    return out
+
+
+def _load() -> None:
+    if not _RULES:
+        from partir_torch.rules import (  # noqa: F401  (registration side effects)
+            attention,
+            conv,
+            indexing,
+            loss,
+            matrix,
+            normalization,
+            pointwise,
+            reduction,
+            view,
+        )
+
+
+# -- building rules from specs -------------------------------------------------------------------------------
+def tensor_args(op: Op) -> list[int]:
+    """Value ids of the op's tensor arguments in argument order (lists flattened; duplicates kept)."""
+    out: list[int] = []
+
+    def walk(a: Any) -> None:
+        if isinstance(a, Ref):
+            out.append(a.id)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x)
+
+    for a in op.args:
+        walk(a)
+    for _, a in op.kwargs:
+        walk(a)
+    return out
+
+
+def spec_rule(
+    op: Op,
+    program: Program,
+    spec: str,
+    *,
+    operands: list[int] | None = None,
+    results: list[int] | None = None,
+    replicate: str = "",
+    mean: str | tuple[str, ...] = "",
+    partialize: Iterable[int] = (),
+    name: str | None = None,
+) -> OpRule:
+    """Build a rule from `"ab,bc->ac"`; `replicate="*"` replicates every factor; `mean` letters scale."""
+    lhs, _, rhs = spec.partition("->")
+    operands = tensor_args(op) if operands is None else operands
+    results = [o for o in op.outputs if o >= 0] if results is None else results
+    # "" is one scalar tensor when the op has one, else none
+    ins = lhs.split(",") if lhs or len(operands) == 1 else []
+    outs = rhs.split(",") if rhs or len(results) == 1 else []
+    if len(ins) != len(operands) or len(outs) != len(results):
+        raise ValueError(f"rule spec {spec!r} has {len(ins)}->{len(outs)} tensors, {op.target} has "
+                         f"{len(operands)}->{len(results)}")
+    letters: dict[str, int] = {}
+    for s in (*ins, *outs):
+        for ch in s:
+            if ch != "_" and ch not in letters:
+                letters[ch] = len(letters)
+
+    def tmap(v: int, s: str) -> TMap:
+        if len(s) != len(program.values[v].shape):
+            raise ValueError(f"rule spec {spec!r}: {s!r} does not match {program.values[v].name} "
+                             f"{list(program.values[v].shape)} of {op.target}")
+        return TMap(v, tuple(None if ch == "_" else letters[ch] for ch in s))
+
+    in_letters = {ch for s in ins for ch in s if ch != "_"}
+    rep = set(letters.values()) if replicate == "*" else {letters[c] for c in replicate if c in letters}
+    return OpRule(
+        name or op.target,
+        "".join(letters),
+        tuple(tmap(v, s) for v, s in zip(operands, ins)),
+        tuple(tmap(v, s) for v, s in zip(results, outs)),
+        frozenset(rep),
+        tuple(frozenset(letters[c] for c in in_letters - set(s)) for s in outs),
+        tuple(frozenset(letters[c] for c in m if c in letters) for m in ((mean,) * len(outs) if isinstance(mean, str) else mean)),
+        frozenset(partialize),
+    )
+
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def dims_of(program: Program, v: int) -> tuple[int, ...]:
+    return program.values[v].shape
+
+
+def arg(op: Op, i: int, name: str | None = None, default: Any = None) -> Any:
+    if i < len(op.args):
+        return op.args[i]
+    if name is not None:
+        for k, a in op.kwargs:
+            if k == name:
+                return a
+    return default

@@ -1,0 +1,35 @@
+"""Convolutions: batch and channels tile; spatial dims need halos, so they stay replicated."""
+
+from __future__ import annotations
+
+from partir_torch.ir.program import Op, Program
+from partir_torch.rules.base import OpRule, arg, register, spec_rule, tensor_args
+
+_SP_IN, _SP_OUT, _SP_K = "HWD", "PQR", "KLM"
+
+
+@register("aten.convolution.default")
+def convolution(op: Op, program: Program) -> OpRule:
+    x = tensor_args(op)[0]
+    nsp = len(program.values[x].shape) - 2
+    transposed, groups = bool(arg(op, 6)), int(arg(op, 8))
+    specs = ["ni" + _SP_IN[:nsp], "oi" + _SP_K[:nsp]] if not transposed else ["ni" + _SP_IN[:nsp], "io" + _SP_K[:nsp]]
+    if arg(op, 2) is not None:
+        specs.append("o")
+    rep = _SP_IN + _SP_OUT + _SP_K + ("io" if groups != 1 or transposed else "")
+    return spec_rule(op, program, ",".join(specs) + "->no" + _SP_OUT[:nsp], replicate=rep, partialize=(2,),
+                     name="convolution")
+
+
+@register("aten.convolution_backward.default")
+def convolution_backward(op: Op, program: Program) -> OpRule:
+    g = tensor_args(op)[0]
+    nsp = len(program.values[g].shape) - 2
+    transposed, groups = bool(arg(op, 7)), int(arg(op, 9))
+    outs = [o for o in op.outputs if o >= 0]
+    full = ["ni" + _SP_IN[:nsp], "oi" + _SP_K[:nsp], "o"]
+    res = [s for s, o in zip(full, op.outputs) if o >= 0]
+    assert len(res) == len(outs)
+    rep = _SP_IN + _SP_OUT + _SP_K + ("io" if groups != 1 or transposed else "")
+    spec = f"no{_SP_OUT[:nsp]},ni{_SP_IN[:nsp]},oi{_SP_K[:nsp]}->" + ",".join(res)
+    return spec_rule(op, program, spec, replicate=rep, name="convolution_backward")

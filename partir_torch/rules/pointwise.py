@@ -1,0 +1,40 @@
+"""Elementwise ops (with broadcasting), including the optimizer's arithmetic and like-creation ops."""
+
+from __future__ import annotations
+
+from partir_torch.ir.program import Op, Program
+from partir_torch.rules.base import LETTERS, OpRule, register, spec_rule, tensor_args
+
+
+def broadcast_spec(program: Program, operands: list[int], result: int) -> str:
+    """Align every operand to the result from the right; a size-1 dim against a larger one carries no factor."""
+    out = program.values[result].shape
+    r = len(out)
+    letters = LETTERS[:r] if r <= len(LETTERS) else "".join(chr(0x100 + i) for i in range(r))
+    parts = []
+    for v in operands:
+        shape = program.values[v].shape
+        q = len(shape)
+        parts.append("".join("_" if (shape[i] == 1 and out[i + r - q] != 1) else letters[i + r - q] for i in range(q)))
+    return ",".join(parts) + "->" + letters
+
+
+@register(
+    "aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar",
+    "aten.rsub.Tensor", "aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar",
+    "aten.neg.default", "aten.sqrt.default", "aten.rsqrt.default", "aten.reciprocal.default",
+    "aten.pow.Scalar", "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.exp.default",
+    "aten.log.default", "aten.cos.default", "aten.sin.default", "aten.tanh.default", "aten.abs.default",
+    "aten.lerp.Scalar", "aten.lerp.Tensor", "aten.addcmul.default", "aten.addcdiv.default",
+    "aten.maximum.default", "aten.minimum.default", "aten.clamp_min.default", "aten.clamp.default",
+    "aten.gelu.default", "aten.gelu_backward.default", "aten.silu.default", "aten.silu_backward.default",
+    "aten.sigmoid.default", "aten.sigmoid_backward.default", "aten.tanh_backward.default",
+    "aten.relu.default", "aten.threshold_backward.default", "aten.masked_fill.Scalar",
+    "aten.masked_fill.Tensor", "aten.where.self", "aten.gt.Tensor", "aten.gt.Scalar", "aten.lt.Tensor",
+    "aten.lt.Scalar", "aten.ge.Tensor", "aten.le.Tensor", "aten.eq.Tensor", "aten.eq.Scalar",
+    "aten.ne.Tensor", "aten.logical_not.default", "aten._to_copy.default", "aten.clone.default",
+    "aten.ones_like.default", "aten.zeros_like.default", "aten.empty_like.default", "aten.full_like.default",
+    "aten.fill.Scalar", "aten.detach.default", "aten.copy.default",
+)
+def pointwise(op: Op, program: Program) -> OpRule:
+    return spec_rule(op, program, broadcast_spec(program, tensor_args(op), op.outputs[0]), name="pointwise")

@@ -1,0 +1,126 @@
+"""Views and data movement: reshape groups, transposes, broadcasts, slicing, concatenation.
+
+Reshape (`view`, `_unsafe_view`, `squeeze`, `unsqueeze`) pairs groups of input and output dims with equal
+products. A 1:1 group keeps its factor; in a merge or split only the *major* dim of each side carries the
+group's factor (tiling the major dim of a row-major group by k is the same contiguous chunk on both sides
+when k divides both major dims); the minor dims carry none, so their tilings do not propagate.
+"""
+
+from __future__ import annotations
+
+from partir_torch.ir.program import Op, Program
+from partir_torch.rules.base import LETTERS, OpRule, arg, register, spec_rule, tensor_args
+
+
+def reshape_spec(a: tuple[int, ...], b: tuple[int, ...]) -> str:
+    left, right = ["_"] * len(a), ["_"] * len(b)
+    i = j = k = 0
+    while i < len(a) and j < len(b):
+        if a[i] == 1:
+            i += 1
+            continue
+        if b[j] == 1:
+            j += 1
+            continue
+        gi, gj, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                pa *= a[i]
+                gi.append(i)
+                i += 1
+            else:
+                pb *= b[j]
+                gj.append(j)
+                j += 1
+        left[gi[0]] = right[gj[0]] = LETTERS[k] if k < 26 else chr(0x100 + k)
+        k += 1
+    return "".join(left) + "->" + "".join(right)
+
+
+@register("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.squeeze.dim",
+          "aten.squeeze.default", "aten.unsqueeze.default", "aten.alias.default")
+def reshape(op: Op, program: Program) -> OpRule:
+    x = tensor_args(op)[0]
+    spec = reshape_spec(program.values[x].shape, program.values[op.outputs[0]].shape)
+    return spec_rule(op, program, spec, name="reshape")
+
+
+def _perm_rule(op: Op, program: Program, perm: list[int]) -> OpRule:
+    letters = LETTERS[: len(perm)]
+    return spec_rule(op, program, letters + "->" + "".join(letters[p] for p in perm), name="permute")
+
+
+@register("aten.t.default")
+def t(op: Op, program: Program) -> OpRule:
+    r = len(program.values[tensor_args(op)[0]].shape)
+    return _perm_rule(op, program, [1, 0][:r] if r == 2 else list(range(r)))
+
+
+@register("aten.transpose.int")
+def transpose(op: Op, program: Program) -> OpRule:
+    r = len(program.values[tensor_args(op)[0]].shape)
+    perm = list(range(r))
+    d0, d1 = int(arg(op, 1)) % r, int(arg(op, 2)) % r
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return _perm_rule(op, program, perm)
+
+
+@register("aten.permute.default")
+def permute(op: Op, program: Program) -> OpRule:
+    r = len(program.values[tensor_args(op)[0]].shape)
+    return _perm_rule(op, program, [int(d) % r for d in arg(op, 1)])
+
+
+@register("aten.expand.default")
+def expand(op: Op, program: Program) -> OpRule:
+    from partir_torch.rules.pointwise import broadcast_spec
+
+    return spec_rule(op, program, broadcast_spec(program, tensor_args(op), op.outputs[0]), name="broadcast")
+
+
+@register("aten.select.int")
+def select(op: Op, program: Program) -> OpRule:
+    r = len(program.values[tensor_args(op)[0]].shape)
+    d = int(arg(op, 1)) % r
+    letters = LETTERS[:r]
+    return spec_rule(op, program, f"{letters}->{letters[:d] + letters[d + 1:]}", replicate=letters[d], name="select")
+
+
+@register("aten.select_backward.default")
+def select_backward(op: Op, program: Program) -> OpRule:
+    r = len(program.values[op.outputs[0]].shape)
+    d = int(arg(op, 2)) % r
+    letters = LETTERS[:r]
+    return spec_rule(op, program, f"{letters[:d] + letters[d + 1:]}->{letters[:d]}_{letters[d + 1:]}", name="select_backward")
+
+
+@register("aten.slice.Tensor")
+def slice_(op: Op, program: Program) -> OpRule:
+    x = tensor_args(op)[0]
+    shape = program.values[x].shape
+    r = len(shape)
+    d = int(arg(op, 1, "dim", 0)) % r
+    start, end, step = arg(op, 2, "start"), arg(op, 3, "end"), arg(op, 4, "step", 1)
+    full = (start in (None, 0)) and (end is None or end >= shape[d]) and step in (None, 1)
+    letters = LETTERS[:r]
+    return spec_rule(op, program, f"{letters}->{letters}", replicate="" if full else letters[d], name="slice")
+
+
+@register("aten.cat.default")
+def cat(op: Op, program: Program) -> OpRule:
+    ins = tensor_args(op)
+    r = len(program.values[op.outputs[0]].shape)
+    d = int(arg(op, 1, "dim", 0)) % r
+    letters = LETTERS[:r]
+    specs = [letters if len(program.values[v].shape) == r else "_" * len(program.values[v].shape) for v in ins]
+    return spec_rule(op, program, ",".join(specs) + "->" + letters, replicate=letters[d], name="concat")
+
+
+@register("aten.split.Tensor", "aten.split_with_sizes.default")
+def split(op: Op, program: Program) -> OpRule:
+    r = len(program.values[tensor_args(op)[0]].shape)
+    d = int(arg(op, 2, "dim", 0)) % r
+    letters = LETTERS[:r]
+    n = sum(o >= 0 for o in op.outputs)
+    return spec_rule(op, program, f"{letters}->" + ",".join([letters] * n), replicate=letters[d], name="split")
