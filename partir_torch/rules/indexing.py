@@ -57,7 +57,6 @@ def scatter(op: Op, program: Program) -> OpRule:
 
 @register("aten._unsafe_index.Tensor", "aten.index.Tensor")
 def index(op: Op, program: Program) -> OpRule:
-    x = tensor_args(op)[0]
     idx = list(arg(op, 1))
     lead = 0
     while lead < len(idx) and idx[lead] is None:
