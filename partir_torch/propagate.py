@@ -1,0 +1,255 @@
+"""Fixpoint propagation of sharding decisions, per mesh axis, both ways along def-use edges (PartIR §3).
+
+State: a `Sharding` per value and, per op, the axes assigned to each of its factors. Propagating axis `a`:
+
+    worklist = ops touching the values just tiled
+    for op in worklist:
+        f = the factor `a` is assigned to in op, else the factors that op's tensors tiled on `a` carry:
+            none -> nothing to do; two different ones, or a dim that carries no factor -> record a Conflict;
+            a factor that needs replication -> record a Conflict (the op runs replicated on `a`);
+            one factor f -> assign a to f.
+        every tensor of op that carries f, and is not yet decided on `a`, gets its dim tiled on `a`
+        (if divisible and not locked by Replicate), and its other ops join the worklist, as do the
+        same values of the other repeated layers (groups);
+        a result that does not carry f while f is a reduction for it becomes partial on `a`.
+
+Decisions are never undone: a value already decided on an axis keeps its sharding, and the mismatch is
+resolved by a reshard at lowering. The order of actions is their priority.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from partir_torch.errors import IllegalActionError, PartirError
+from partir_torch.ir.actions import Replicate, Tile
+from partir_torch.ir.mesh import Mesh
+from partir_torch.ir.program import Program
+from partir_torch.ir.sharding import Sharding
+from partir_torch.rules.base import OpRule, rule_for
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Propagation of `axis` stopped at `op`: `why`, with the values involved."""
+
+    op: int
+    axis: str
+    why: str
+    values: tuple[int, ...]
+
+    def describe(self, program: Program) -> str:
+        names = ", ".join(program.values[v].name for v in self.values)
+        return f"op {self.op} {program.ops[self.op].target} on {self.axis!r}: {self.why} ({names})"
+
+
+def program_rules(program: Program, *, fallback: bool = False) -> list[OpRule]:
+    """The rule of every op, computed once per program (rules only read shapes and args)."""
+    cached = getattr(program, "_rules", None)
+    if cached is None:
+        cached = [rule_for(op, program, fallback=fallback) for op in program.ops]
+        program._rules = cached  # type: ignore[attr-defined]
+    return cached
+
+
+def _peer_keys(program: Program) -> dict[int, str]:
+    """Value id -> the name with its parameter replaced by the group key (equal for repeated-layer peers)."""
+    keys: dict[int, str] = {}
+    for g in program.groups:
+        for m in g.members:
+            name = program.values[m].name
+            for p in g.params:
+                if name == p or name.endswith(f"[{p}]"):
+                    keys[m] = name[: len(name) - len(p) - (1 if name.endswith("]") else 0)] + g.key + ("]" if name.endswith("]") else "")
+                    break
+    return keys
+
+
+class ShardingState:
+    """Shardings of every value and factor assignments of every op, for one program on one mesh."""
+
+    def __init__(self, program: Program, mesh: Mesh, *, fallback: bool = False) -> None:
+        self.program, self.mesh = program, mesh
+        self.rules = program_rules(program, fallback=fallback)
+        self.shard = [Sharding.replicated(len(v.shape)) for v in program.values]
+        self.assign: list[dict[int, tuple[str, ...]]] = [{} for _ in program.ops]
+        self.locked: list[frozenset[str]] = [frozenset()] * len(program.values)
+        self.conflicts: list[Conflict] = []
+        self.actions: list[Tile | Replicate] = []
+        self.touch = getattr(program, "_touch", None)
+        if self.touch is None:
+            touch: list[list[int]] = [[] for _ in program.values]
+            for i, r in enumerate(self.rules):
+                for t in (*r.operands, *r.results):
+                    if not touch[t.value] or touch[t.value][-1] != i:
+                        touch[t.value].append(i)
+            self.touch = touch
+            program._touch = touch  # type: ignore[attr-defined]
+        keys = _peer_keys(program)
+        by_key: dict[str, list[int]] = {}
+        for v, k in keys.items():
+            by_key.setdefault(k, []).append(v)
+        self.peers = {v: by_key[k] for v, k in keys.items()}
+        self.templates = by_key
+
+    # -- actions --------------------------------------------------------------------------------------
+    def resolve(self, target: str) -> list[int]:
+        """A value name, or a group template (`h.*.attn.c_attn.weight`, `opt.exp_avg[h.*.mlp.c_fc.weight]`)."""
+        if target in self.templates:
+            return list(self.templates[target])
+        return [self.program.value(target).id]
+
+    def apply(self, action: Tile | Replicate) -> None:
+        """Apply one action and propagate its axis to a fixpoint."""
+        self.mesh.size(action.axis)  # unknown axis -> MeshError naming the mesh's axes
+        vids = self.resolve(action.target)
+        if isinstance(action, Replicate):
+            for v in vids:
+                if action.axis in self.shard[v].axes:
+                    raise IllegalActionError(
+                        f"cannot replicate {self.program.values[v].name} on {action.axis!r}: it is already "
+                        f"sharded on it ({self.shard[v]})"
+                    )
+                self.locked[v] = self.locked[v] | {action.axis}
+            self.actions.append(action)
+            return
+        changed = []
+        for v in vids:
+            val = self.program.values[v]
+            if action.axis in self.locked[v]:
+                raise IllegalActionError(f"{val.name} is replicated on {action.axis!r} by an earlier action")
+            dims = self.shard[v].dims
+            if -len(dims) <= action.dim < len(dims) and action.axis in dims[action.dim]:
+                continue  # already implied by propagation
+            self.shard[v] = self.shard[v].tile(action.dim, action.axis, value=val.name, shape=val.shape, mesh=self.mesh)
+            changed.append(v)
+        self.actions.append(action)
+        self.propagate(action.axis, changed)
+
+    def try_apply(self, action: Tile | Replicate) -> bool:
+        """Apply if legal; the search uses this to skip illegal actions."""
+        try:
+            self.apply(action)
+        except (IllegalActionError, PartirError):
+            return False
+        return True
+
+    # -- propagation ----------------------------------------------------------------------------------
+    def _tile(self, v: int, d: int, axis: str) -> bool:
+        if axis in self.locked[v] or axis in self.shard[v].axes:
+            return False
+        val = self.program.values[v]
+        try:
+            self.shard[v] = self.shard[v].tile(d, axis, value=val.name, shape=val.shape, mesh=self.mesh)
+        except IllegalActionError:
+            return False
+        return True
+
+    def propagate(self, axis: str, seeds: Iterable[int]) -> None:
+        seeds = list(seeds)
+        work: deque[int] = deque()
+        queued: set[int] = set()
+
+        def touched(v: int) -> None:
+            for o in self.touch[v]:
+                if o not in queued:
+                    queued.add(o)
+                    work.append(o)
+            self._to_peers(v, axis, touched)
+
+        for v in seeds:
+            touched(v)
+        while work:
+            o = work.popleft()
+            queued.discard(o)
+            for v in self._step(o, axis):
+                touched(v)
+
+    def _to_peers(self, v: int, axis: str, touched) -> None:
+        """The same value of the other repeated layers gets the same tiling (groups)."""
+        peers = self.peers.get(v)
+        if not peers:
+            return
+        dims = self.shard[v].dims
+        d = next((i for i, ax in enumerate(dims) if axis in ax), None)
+        if d is None:
+            return
+        for p in peers:
+            if p != v and self._tile(p, d, axis):
+                touched(p)
+
+    def factor_of(self, op: int, axis: str) -> int | None:
+        for f, axes in self.assign[op].items():
+            if axis in axes:
+                return f
+        return None
+
+    def _step(self, o: int, axis: str) -> list[int]:
+        rule = self.rules[o]
+        f = self.factor_of(o, axis)
+        if f is None:
+            cands: dict[int, list[int]] = {}
+            for t in (*rule.operands, *rule.results):
+                sh = self.shard[t.value]
+                if axis in sh.partial or axis not in sh.axes:
+                    continue
+                d = next(i for i, ax in enumerate(sh.dims) if axis in ax)
+                fd = t.dims[d]
+                if fd is None:
+                    self._conflict(o, axis, f"{self.program.values[t.value].name} dim {d} carries no factor of the op", (t.value,))
+                    return []
+                cands.setdefault(fd, []).append(t.value)
+            if not cands:
+                return []
+            if len(cands) > 1:
+                vals = tuple(v for vs in cands.values() for v in vs)
+                self._conflict(o, axis, "operands tiled on different factors", vals)
+                return []
+            ((f, vals),) = cands.items()
+            if f in rule.replicate:
+                self._conflict(o, axis, f"factor {rule.letters[f]!r} needs replication", tuple(vals))
+                return []
+            self.assign[o][f] = (*self.assign[o].get(f, ()), axis)
+        changed: list[int] = []
+        for t in (*rule.operands, *rule.results):
+            for d, fd in enumerate(t.dims):
+                if fd == f and self._tile(t.value, d, axis):
+                    changed.append(t.value)
+        for t, red in zip(rule.results, rule.reduced):
+            if f in red and f not in t.dims:
+                v = t.value
+                sh = self.shard[v]
+                if axis not in sh.axes and axis not in self.locked[v]:
+                    self.shard[v] = Sharding(sh.dims, sh.partial | {axis})
+                    changed.append(v)
+        return changed
+
+    def _conflict(self, op: int, axis: str, why: str, values: tuple[int, ...]) -> None:
+        if not any(c.op == op and c.axis == axis for c in self.conflicts[-8:]):
+            self.conflicts.append(Conflict(op, axis, why, values))
+
+    # -- views -----------------------------------------------------------------------------------------
+    def required(self, o: int, t_dims: tuple[int | None, ...]) -> tuple[tuple[str, ...], ...]:
+        """The dim axes an op needs for a tensor carrying `t_dims` factors."""
+        a = self.assign[o]
+        return tuple(a.get(f, ()) if f is not None else () for f in t_dims)
+
+    def op_output(self, o: int, r: int) -> Sharding:
+        """The sharding op `o` produces for its r-th result: tiled by assigned factors, partial over reduced ones."""
+        rule = self.rules[o]
+        t = rule.results[r]
+        partial = frozenset(ax for f in rule.reduced[r] if f not in t.dims for ax in self.assign[o].get(f, ()))
+        return Sharding(self.required(o, t.dims), partial)
+
+    def reduced_axes(self, o: int) -> frozenset[str]:
+        rule = self.rules[o]
+        return frozenset(ax for red in rule.reduced for f in red for ax in self.assign[o].get(f, ()))
+
+    def mean_scale(self, o: int, r: int) -> int:
+        k = 1
+        for f in self.rules[o].mean_over[r]:
+            for ax in self.assign[o].get(f, ()):
+                k *= self.mesh.size(ax)
+        return k

@@ -1,0 +1,197 @@
+"""The oracle for rules, propagation and lowering: run a sharded program as N per-device programs in torch.
+
+Every value lives as one local tensor per device of the mesh, laid out by its sharding (a tile of the
+global tensor, or a summand when partial). Each op runs on every device with its operands converted to the
+layout its factor assignment needs; the collectives between layouts are emulated exactly (assemble the
+global tensor from the locals, cut the new locals). Shape arguments (view sizes, creation sizes) are
+localized from the result's local shape. The result — loss, gradients, updated parameters and states — is
+compared with the unsharded `Program.run`. Replicated values are checked to be equal on every device.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from partir_torch.ir.mesh import Mesh
+from partir_torch.ir.program import Program, Ref
+from partir_torch.ir.sharding import Sharding
+from partir_torch.lower import Collective, lower, required_operand
+from partir_torch.propagate import ShardingState
+
+# (aten target, argument index) whose value is the local shape of result 0
+_SHAPE_ARG = {
+    "aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.reshape.default": 1, "aten.expand.default": 1,
+    "aten.zeros.default": 0, "aten.ones.default": 0, "aten.full.default": 0, "aten.empty.memory_format": 0,
+    "aten.select_backward.default": 1, "aten.upsample_nearest2d_backward.default": 2,
+}
+
+
+@dataclass
+class SimResult:
+    max_abs_diff: float
+    diffs: dict[str, float]  # per output value name
+    replica_mismatch: float
+    collectives: list[Collective]
+    executed: dict[str, int] = field(default_factory=dict)  # collective kind -> times emulated
+
+
+class _Mesh:
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.coords = [dict(zip(mesh.names, c)) for c in itertools.product(*(range(s) for _, s in mesh.axes))]
+
+    def region(self, sh: Sharding, shape: tuple[int, ...], c: dict[str, int]) -> tuple[slice, ...]:
+        out = []
+        for size, axes in zip(shape, sh.dims):
+            idx, n = 0, 1
+            for a in axes:
+                idx = idx * self.mesh.size(a) + c[a]
+                n *= self.mesh.size(a)
+            chunk = size // n
+            out.append(slice(idx * chunk, (idx + 1) * chunk))
+        return tuple(out)
+
+    def scatter(self, g: torch.Tensor, sh: Sharding) -> list[torch.Tensor]:
+        locs = []
+        for c in self.coords:
+            t = g[self.region(sh, tuple(g.shape), c)].clone()
+            if sh.partial and any(c[a] != 0 for a in sh.partial):
+                t = torch.zeros_like(t)
+            locs.append(t)
+        return locs
+
+    def gather(self, locs: list[torch.Tensor], sh: Sharding, shape: tuple[int, ...], dtype) -> tuple[torch.Tensor, float]:
+        used = {a for ax in sh.dims for a in ax} | set(sh.partial)
+        g = torch.zeros(shape, dtype=dtype)
+        for c, t in zip(self.coords, locs):
+            if all(c[a] == 0 for a in self.mesh.names if a not in used):
+                reg = self.region(sh, shape, c)
+                if sh.partial:
+                    g[reg] += t
+                else:
+                    g[reg] = t
+        mismatch = 0.0
+        if not sh.partial and g.is_floating_point():
+            for c, t in zip(self.coords, locs):
+                mismatch = max(mismatch, (t - g[self.region(sh, shape, c)]).abs().max().item() if t.numel() else 0.0)
+        return g, mismatch
+
+
+def simulate(
+    program: Program,
+    state: ShardingState,
+    params: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    opt_states: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> SimResult:
+    ref = program.run(params, buffers, inputs, opt_states)
+    m = _Mesh(state.mesh)
+    env: dict[int, list[torch.Tensor]] = {}
+    layout: dict[int, Sharding] = {}
+    executed: dict[str, int] = {}
+    mismatch = 0.0
+
+    def convert(v: int, dst: Sharding) -> list[torch.Tensor]:
+        nonlocal mismatch
+        src = layout[v]
+        if src == dst:
+            return env[v]
+        from partir_torch.lower import transitions
+
+        val = program.values[v]
+        for kind, _, _ in transitions(src, dst, val.shape, val.dtype.itemsize, state.mesh):
+            executed[kind] = executed.get(kind, 0) + 1
+        g, mm = m.gather(env[v], src, val.shape, val.dtype)
+        mismatch = max(mismatch, mm)
+        return m.scatter(g, dst)
+
+    # program inputs
+    flat = {}
+    for n, vid in program.params.items():
+        flat[vid] = params[n]
+    for n, vid in program.buffers.items():
+        flat[vid] = buffers[n]
+    first = next(iter(program.opt_states), None)
+    for s, vid in program.shared_states.items():
+        flat[vid] = (opt_states or {})[first][s]
+    for p, st in program.opt_states.items():
+        for s, vid in st.items():
+            if s not in program.shared_states:
+                flat[vid] = (opt_states or {})[p][s]
+    for i, vid in enumerate(program.inputs):
+        flat[vid] = inputs[i]
+    for attr, vid in program.constants.items():
+        flat[vid] = getattr(program.graph_module, attr)
+    for vid, g in flat.items():
+        env[vid] = m.scatter(g.detach(), state.shard[vid])
+        layout[vid] = state.shard[vid]
+
+    for op in program.ops:
+        rule = state.rules[op.id]
+        operands = [convert(t.value, required_operand(state, op.id, i)) for i, t in enumerate(rule.operands)]
+        results = [o for o in op.outputs if o >= 0]
+        out_locals: list[list[torch.Tensor]] = [[] for _ in results]
+        for d, c in enumerate(m.coords):
+            it = iter(ops_[d] for ops_ in operands)
+            args = _subst(op.args, it)
+            kwargs = {k: _subst(a, it) for k, a in op.kwargs}
+            if op.target in _SHAPE_ARG and results:
+                k = _SHAPE_ARG[op.target]
+                local = state.op_output(op.id, 0).local_shape(program.values[results[0]].shape, state.mesh)
+                args = (*args[:k], list(local), *args[k + 1:])
+            args = _localize(op.target, args, state, op.id, results)
+            out = op.overload(*args, **kwargs)
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            j = 0
+            for o_id, t in zip(op.outputs, outs):
+                if o_id < 0:
+                    continue
+                out_locals[j].append(t)
+                j += 1
+        for r, v in enumerate(results):
+            k = state.mean_scale(op.id, r)
+            locs = [t / k for t in out_locals[r]] if k > 1 else out_locals[r]
+            env[v], layout[v] = locs, state.op_output(op.id, r)
+            env[v] = convert(v, state.shard[v])
+            layout[v] = state.shard[v]
+
+    diffs: dict[str, float] = {}
+    for vid in program.outputs:
+        val = program.values[vid]
+        g, mm = m.gather(env[vid], layout[vid], val.shape, val.dtype)
+        mismatch = max(mismatch, mm)
+        r = ref[vid]
+        diffs[val.name] = (g.double() - r.double()).abs().max().item() if r.numel() and r.is_floating_point() else (
+            float((g != r).any().item()))
+    return SimResult(max(diffs.values(), default=0.0), diffs, mismatch, lower(state), executed)
+
+
+def _subst(a: Any, it) -> Any:
+    if isinstance(a, Ref):
+        return next(it)
+    if isinstance(a, list):
+        return [_subst(x, it) for x in a]
+    if isinstance(a, tuple):
+        return tuple(_subst(x, it) for x in a)
+    return a
+
+
+def _localize(target: str, args: tuple, state: ShardingState, o: int, results: list[int]) -> tuple:
+    """Non-shape size arguments that depend on a tiled dim."""
+    prog, mesh = state.program, state.mesh
+    if target == "aten.native_group_norm.default":
+        n = state.op_output(o, 0).local_shape(prog.values[results[0]].shape, mesh)[0]
+        return (*args[:3], n, *args[4:])
+    if target == "aten.convolution_backward.default" and args[3] is not None:
+        outs = prog.ops[o].outputs
+        if outs[2] >= 0:
+            r = [x for x in outs if x >= 0].index(outs[2])
+            size = state.op_output(o, r).local_shape(prog.values[outs[2]].shape, mesh)
+            return (*args[:3], list(size), *args[4:])
+    return args
