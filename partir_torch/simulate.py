@@ -137,7 +137,7 @@ def simulate(
         operands = [convert(t.value, required_operand(state, op.id, i)) for i, t in enumerate(rule.operands)]
         results = [o for o in op.outputs if o >= 0]
         out_locals: list[list[torch.Tensor]] = [[] for _ in results]
-        for d, c in enumerate(m.coords):
+        for d in range(len(m.coords)):
             it = iter(ops_[d] for ops_ in operands)
             args = _subst(op.args, it)
             kwargs = {k: _subst(a, it) for k, a in op.kwargs}
