@@ -211,6 +211,15 @@ class ShardingState:
             if f in rule.replicate:
                 self._conflict(o, axis, f"factor {rule.letters[f]!r} needs replication", tuple(vals))
                 return []
+            k = self.mesh.size(axis)
+            for ax in self.assign[o].get(f, ()):
+                k *= self.mesh.size(ax)
+            for t in (*rule.operands, *rule.results):
+                shape = self.program.values[t.value].shape
+                if any(fd == f and shape[d] % k for d, fd in enumerate(t.dims)):
+                    self._conflict(o, axis, f"factor {rule.letters[f]!r} of {self.program.values[t.value].name} "
+                                   f"{list(shape)} does not divide by {k}", (t.value,))
+                    return []
             self.assign[o][f] = (*self.assign[o].get(f, ()), axis)
         changed: list[int] = []
         for t in (*rule.operands, *rule.results):

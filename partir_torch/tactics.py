@@ -1,0 +1,224 @@
+"""Manual tactics and schedules: the expert strategies, written as actions plus propagation.
+
+A schedule is applied in order, each tactic to its fixpoint; later tactics never undo earlier decisions.
+Text form: `"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` (`ZeRO3`, `FSDP`, `DP` also read).
+
+- BatchParallel(axis): tile dim 0 of every program input.
+- Megatron(axis): column/row pairs found from the program's structure: a linear (mm/addmm whose weight
+  operand is a parameter, possibly transposed) whose output reaches another linear's input through ops that
+  are not linears, normalizations or reductions. The first is tiled on its output features, the second on
+  its input features. No module or parameter name is read.
+- ZeRO(axis, stage): optimizer states (1), plus gradients (2), plus parameters (3) tiled on `axis` along
+  their first divisible dim; at stages 1 and 2 parameters are kept replicated on `axis`.
+- FSDP(axis) = BatchParallel(axis) then ZeRO(axis, 3).
+- Manual({glob: spec}): per-value specs in torch_xla's partition-spec form.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import deque
+from dataclasses import dataclass, field
+
+from partir_torch.errors import IllegalActionError, PartirError
+from partir_torch.ir.actions import Replicate, Tile
+from partir_torch.ir.mesh import Mesh
+from partir_torch.ir.program import Phase, Program, Role
+from partir_torch.propagate import ShardingState
+
+
+class ScheduleError(PartirError):
+    """A schedule names an unknown tactic or axis, or cannot be parsed."""
+
+
+@dataclass(frozen=True)
+class BatchParallel:
+    axis: str
+
+    def apply(self, state: ShardingState) -> None:
+        for v in state.program.inputs:
+            state.try_apply(Tile(state.program.values[v].name, 0, self.axis))
+
+
+_LINEAR = {"aten.mm.default": (0, 1), "aten.addmm.default": (1, 2)}  # (lhs, rhs) operand positions
+_STOP = {"aten.native_layer_norm.default", "aten.native_group_norm.default", "aten.mean.dim",
+         "aten.sum.dim_IntList", "aten.embedding.default"}
+_TRANSPOSES = {"aten.t.default", "aten.transpose.int", "aten.permute.default"}
+
+
+def linears(program: Program, rules) -> dict[int, tuple[int, int, int]]:
+    """Forward linears: op id -> (weight parameter, its output-features dim, its input-features dim)."""
+    params = set(program.params.values())
+    out = {}
+    for op in program.ops:
+        if op.phase is not Phase.FORWARD or op.target not in _LINEAR:
+            continue
+        rhs = rules[op.id].operands[_LINEAR[op.target][1]].value
+        if rhs in params and len(program.values[rhs].shape) == 2:
+            out[op.id] = (rhs, 1, 0)  # x @ W with W [in, out]
+            continue
+        prod = program.values[rhs].producer
+        if prod >= 0 and program.ops[prod].target in _TRANSPOSES:
+            w = rules[prod].operands[0].value
+            if w in params and len(program.values[w].shape) == 2:
+                out[op.id] = (w, 0, 1)  # x @ W.T with W [out, in] (nn.Linear)
+    return out
+
+
+def megatron_pairs(program: Program, rules) -> list[tuple[int, int]]:
+    """(column linear, row linear) op pairs, by forward data flow from each linear's output."""
+    lin = linears(program, rules)
+    lhs_of = {rules[o].operands[_LINEAR[program.ops[o].target][0]].value: o for o in lin}
+    params = set(program.params.values())
+    pairs, rows = [], set()
+    for o in lin:
+        if o in rows:
+            continue
+        found, seen = [], set()
+        todo = deque((v, 0) for v in program.ops[o].outputs if v >= 0)
+        while todo:
+            v, depth = todo.popleft()
+            if v in seen or depth > 64:
+                continue
+            seen.add(v)
+            for u in program.users[v]:
+                uop = program.ops[u]
+                if uop.phase is not Phase.FORWARD:
+                    continue
+                if u in lin:
+                    if lhs_of.get(v) == u and u != o:
+                        found.append(u)
+                    continue
+                if uop.target in _STOP or any(i in params for i in uop.inputs):
+                    continue
+                todo.extend((r, depth + 1) for r in uop.outputs if r >= 0)
+        for u in dict.fromkeys(found):
+            pairs.append((o, u))
+            rows.add(u)
+    return pairs
+
+
+@dataclass(frozen=True)
+class Megatron:
+    axis: str
+
+    def apply(self, state: ShardingState) -> None:
+        p, lin = state.program, linears(state.program, state.rules)
+        for col, row in megatron_pairs(p, state.rules):
+            w1, out1, _ = lin[col]
+            w2, _, in2 = lin[row]
+            state.try_apply(Tile(p.values[w1].name, out1, self.axis))
+            state.try_apply(Tile(p.values[w2].name, in2, self.axis))
+
+
+def _free_dim(state: ShardingState, v: int, axis: str) -> int | None:
+    val, sh = state.program.values[v], state.shard[v]
+    if axis in sh.axes:
+        return None
+    k = state.mesh.size(axis)
+    for d, size in enumerate(val.shape):
+        n = k
+        for a in sh.dims[d]:
+            n *= state.mesh.size(a)
+        if size % n == 0 and size >= n:
+            return d
+    return None
+
+
+@dataclass(frozen=True)
+class ZeRO:
+    axis: str
+    stage: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ScheduleError(f"ZeRO stage must be 1, 2 or 3, got {self.stage}")
+
+    def apply(self, state: ShardingState) -> None:
+        p = state.program
+        for name, states in p.opt_states.items():
+            pid = p.params[name]
+            if self.stage < 3:
+                state.try_apply(Replicate(name, self.axis))
+            per_param = [v for s, v in states.items() if s not in p.shared_states]
+            if not per_param:
+                continue
+            d = _free_dim(state, per_param[0], self.axis)
+            if d is None:
+                continue
+            targets = list(per_param)
+            if self.stage >= 2 and name in p.grads:
+                targets.append(p.grads[name])
+            if self.stage == 3:
+                targets.insert(0, pid)
+            for v in targets:
+                state.try_apply(Tile(p.values[v].name, d, self.axis))
+
+
+@dataclass(frozen=True)
+class FSDP:
+    axis: str
+
+    def apply(self, state: ShardingState) -> None:
+        BatchParallel(self.axis).apply(state)
+        ZeRO(self.axis, 3).apply(state)
+
+
+@dataclass(frozen=True)
+class Manual:
+    """`{glob: spec}`; a spec has one entry per dim: None, an axis, or a list of axes (major to minor)."""
+
+    specs: dict = field(hash=False)
+
+    def apply(self, state: ShardingState) -> None:
+        p = state.program
+        for glob, spec in self.specs.items():
+            hits = [v for v in p.values if fnmatch.fnmatchcase(v.name, glob) and v.role is not Role.ACTIVATION]
+            if not hits:
+                raise ScheduleError(f"Manual spec {glob!r} matches no parameter, input or optimizer state")
+            for v in hits:
+                if len(spec) != len(v.shape):
+                    raise ScheduleError(
+                        f"Manual spec {spec} for {v.name} has {len(spec)} entries; the value has shape {list(v.shape)}"
+                    )
+                for d, entry in enumerate(spec):
+                    for axis in [] if entry is None else [entry] if isinstance(entry, str) else entry:
+                        state.apply(Tile(v.name, d, axis))
+
+
+Tactic = BatchParallel | Megatron | ZeRO | FSDP | Manual
+_BY_NAME = {"batchparallel": BatchParallel, "dp": BatchParallel, "megatron": Megatron, "zero": ZeRO, "fsdp": FSDP}
+
+
+def parse_schedule(text: str, mesh: Mesh) -> list[Tactic]:
+    """`"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` -> tactics; axes are checked against the mesh."""
+    out: list[Tactic] = []
+    for part in filter(None, (s.strip() for s in text.split(";"))):
+        m = re.fullmatch(r"(\w+)\s*:\s*(\w+?)(\d)?\s*(?:\((?:stage\s*=\s*)?(\d)\))?", part)
+        if not m:
+            raise ScheduleError(f"cannot parse schedule entry {part!r}; write axis:Tactic, e.g. batch:BatchParallel")
+        axis, name, digit, arg = m.groups()
+        if axis not in mesh.names:
+            raise ScheduleError(f"schedule entry {part!r} names axis {axis!r}; the mesh has axes {list(mesh.names)}")
+        cls = _BY_NAME.get(name.lower())
+        if cls is None:
+            raise ScheduleError(
+                f"unknown tactic {name!r} in {part!r}; known: BatchParallel (DP), Megatron, ZeRO(1|2|3), FSDP"
+            )
+        stage = digit or arg
+        out.append(cls(axis, int(stage)) if cls is ZeRO and stage else cls(axis))
+    if not out:
+        raise ScheduleError("empty schedule")
+    return out
+
+
+def apply_schedule(program: Program, mesh: Mesh, schedule: str | list[Tactic], *, fallback: bool = False) -> ShardingState:
+    tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else schedule
+    state = ShardingState(program, mesh, fallback=fallback)
+    for t in tactics:
+        try:
+            t.apply(state)
+        except IllegalActionError as e:
+            raise ScheduleError(f"{type(t).__name__} on {getattr(t, 'axis', '?')!r}: {e}") from e
+    return state
