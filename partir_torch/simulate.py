@@ -28,6 +28,7 @@ _SHAPE_ARG = {
     "aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.reshape.default": 1, "aten.expand.default": 1,
     "aten.zeros.default": 0, "aten.ones.default": 0, "aten.full.default": 0, "aten.empty.memory_format": 0,
     "aten.select_backward.default": 1, "aten.upsample_nearest2d_backward.default": 2,
+    "aten.slice_backward.default": 1,
 }
 
 
@@ -35,6 +36,7 @@ _SHAPE_ARG = {
 class SimResult:
     max_abs_diff: float
     diffs: dict[str, float]  # per output value name
+    max_rel_diff: float  # max over outputs of diff / max(1, max |reference|)
     replica_mismatch: float
     collectives: list[Collective]
     executed: dict[str, int] = field(default_factory=dict)  # collective kind -> times emulated
@@ -162,6 +164,7 @@ def simulate(
             layout[v] = state.shard[v]
 
     diffs: dict[str, float] = {}
+    rel = 0.0
     for vid in program.outputs:
         val = program.values[vid]
         g, mm = m.gather(env[vid], layout[vid], val.shape, val.dtype)
@@ -169,7 +172,9 @@ def simulate(
         r = ref[vid]
         diffs[val.name] = (g.double() - r.double()).abs().max().item() if r.numel() and r.is_floating_point() else (
             float((g != r).any().item()))
-    return SimResult(max(diffs.values(), default=0.0), diffs, mismatch, lower(state), executed)
+        scale = max(1.0, r.double().abs().max().item()) if r.numel() and r.is_floating_point() else 1.0
+        rel = max(rel, diffs[val.name] / scale)
+    return SimResult(max(diffs.values(), default=0.0), diffs, rel, mismatch, lower(state), executed)
 
 
 def _subst(a: Any, it) -> Any:

@@ -81,7 +81,7 @@ def capture(
         p = params[n]
         flat_meta += [(tuple(p.shape), p.dtype) for _ in states[n]]
     flat_meta += [(tuple(x.shape), x.dtype) for x in inputs]
-    fake_mode = FakeTensorMode()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # tensor constants in the model become graph constants
     with fake_mode:
         fakes = [torch.empty(shape, dtype=dtype) for shape, dtype in flat_meta]
 
@@ -296,9 +296,10 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
 
     for node in gm.graph.nodes:
         if node.op == "get_attr":  # a tensor constant the model created (e.g. torch.tensor(-inf))
-            const = getattr(gm, node.target)
-            env[node] = new_value(f"constant[{node.target}]", const, Role.BUFFER, -1)
-            constants[node.target] = env[node]
+            if node.target not in constants:
+                const = getattr(gm, node.target)
+                constants[node.target] = new_value(f"constant[{node.target}]", const, Role.BUFFER, -1)
+            env[node] = constants[node.target]
             continue
         if node.op != "call_function":
             continue

@@ -159,9 +159,14 @@ def spec_rule(
     replicate: str = "",
     mean: str | tuple[str, ...] = "",
     partialize: Iterable[int] = (),
+    reduced: tuple[str, ...] | None = None,
     name: str | None = None,
 ) -> OpRule:
-    """Build a rule from `"ab,bc->ac"`; `replicate="*"` replicates every factor; `mean` letters scale."""
+    """Build a rule from `"ab,bc->ac"`; `replicate="*"` replicates every factor; `mean` letters scale.
+
+    By default a result is a sum over every operand factor it does not carry; `reduced` (letters per
+    result) says otherwise for multi-output ops whose results depend on different operands.
+    """
     lhs, _, rhs = spec.partition("->")
     operands = tensor_args(op) if operands is None else operands
     results = [o for o in op.outputs if o >= 0] if results is None else results
@@ -191,7 +196,8 @@ def spec_rule(
         tuple(tmap(v, s) for v, s in zip(operands, ins)),
         tuple(tmap(v, s) for v, s in zip(results, outs)),
         frozenset(rep),
-        tuple(frozenset(letters[c] for c in in_letters - set(s)) for s in outs),
+        tuple(frozenset(letters[c] for c in in_letters - set(s)) for s in outs) if reduced is None else
+        tuple(frozenset(letters[c] for c in r if c in letters) for r in reduced),
         tuple(frozenset(letters[c] for c in m if c in letters) for m in ((mean,) * len(outs) if isinstance(mean, str) else mean)),
         frozenset(partialize),
     )

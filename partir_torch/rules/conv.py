@@ -26,10 +26,11 @@ def convolution_backward(op: Op, program: Program) -> OpRule:
     g = tensor_args(op)[0]
     nsp = len(program.values[g].shape) - 2
     transposed, groups = bool(arg(op, 7)), int(arg(op, 9))
-    outs = [o for o in op.outputs if o >= 0]
     full = ["ni" + _SP_IN[:nsp], "oi" + _SP_K[:nsp], "o"]
+    # grad_x sums over output channels; grad_w and grad_b over the batch (and positions)
+    sums = ["o" + _SP_OUT[:nsp] + _SP_K[:nsp], "n" + _SP_OUT[:nsp] + _SP_IN[:nsp], "n" + _SP_OUT[:nsp]]
     res = [s for s, o in zip(full, op.outputs) if o >= 0]
-    assert len(res) == len(outs)
+    red = tuple(s for s, o in zip(sums, op.outputs) if o >= 0)
     rep = _SP_IN + _SP_OUT + _SP_K + ("io" if groups != 1 or transposed else "")
     spec = f"no{_SP_OUT[:nsp]},ni{_SP_IN[:nsp]},oi{_SP_K[:nsp]}->" + ",".join(res)
-    return spec_rule(op, program, spec, replicate=rep, name="convolution_backward")
+    return spec_rule(op, program, spec, replicate=rep, reduced=red, name="convolution_backward")

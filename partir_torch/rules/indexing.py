@@ -81,12 +81,13 @@ def spatial(op: Op, program: Program) -> OpRule:
                      name="spatial")
 
 
-@register("aten.zeros.default", "aten.ones.default", "aten.full.default", "aten.empty.memory_format")
+@register("aten.zeros.default", "aten.ones.default", "aten.full.default", "aten.empty.memory_format",
+          "aten.scalar_tensor.default")
 def fill(op: Op, program: Program) -> OpRule:
     r = len(program.values[op.outputs[0]].shape)
     return spec_rule(op, program, "->" + LETTERS[:r], name="fill")
 
 
-@register("aten.arange.default", "aten.arange.start", "aten.arange.start_step")
+@register("aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten.linspace.default")
 def arange(op: Op, program: Program) -> OpRule:
     return spec_rule(op, program, "->a", replicate="a", name="arange")

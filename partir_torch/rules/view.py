@@ -124,3 +124,12 @@ def split(op: Op, program: Program) -> OpRule:
     letters = LETTERS[:r]
     n = sum(o >= 0 for o in op.outputs)
     return spec_rule(op, program, f"{letters}->" + ",".join([letters] * n), replicate=letters[d], name="split")
+
+
+@register("aten.slice_backward.default")
+def slice_backward(op: Op, program: Program) -> OpRule:
+    """The gradient of a slice: zeros with the slice written back; the sliced dim stays replicated."""
+    r = len(program.values[op.outputs[0]].shape)
+    d = int(arg(op, 2)) % r
+    letters = LETTERS[:r]
+    return spec_rule(op, program, f"{letters}->{letters}", replicate=letters[d], name="slice_backward")
