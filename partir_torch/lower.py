@@ -81,7 +81,7 @@ def required_operand(state: ShardingState, o: int, i: int) -> Sharding:
     t = rule.operands[i]
     partial = state.reduced_axes(o) if i in rule.partialize else frozenset()
     partial = frozenset(a for a in partial if all(a not in ax for ax in state.required(o, t.dims)))
-    return Sharding(state.required(o, t.dims), partial)
+    return Sharding(state.required(o, t.dims), partial | state.passthrough[o])
 
 
 def lower(state: ShardingState) -> list[Collective]:

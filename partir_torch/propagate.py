@@ -67,6 +67,9 @@ def _peer_keys(program: Program) -> dict[int, str]:
     return keys
 
 
+_MOVES = {"permute", "reshape"}  # rules of pure data movement, linear in their one operand
+
+
 class ShardingState:
     """Shardings of every value and factor assignments of every op, for one program on one mesh."""
 
@@ -75,6 +78,7 @@ class ShardingState:
         self.rules = program_rules(program, fallback=fallback)
         self.shard = [Sharding.replicated(len(v.shape)) for v in program.values]
         self.assign: list[dict[int, tuple[str, ...]]] = [{} for _ in program.ops]
+        self.passthrough: list[frozenset[str]] = [frozenset()] * len(program.ops)  # partial axes moved through
         self.locked: list[frozenset[str]] = [frozenset()] * len(program.values)
         self.conflicts: list[Conflict] = []
         self.actions: list[Tile | Replicate] = []
@@ -127,6 +131,12 @@ class ShardingState:
             changed.append(v)
         self.actions.append(action)
         self.propagate(action.axis, changed)
+
+    def lock(self, values: Iterable[int], axis: str) -> None:
+        """Keep `values` replicated on `axis` where they are still undecided (a tactic's fence)."""
+        for v in values:
+            if axis not in self.shard[v].axes:
+                self.locked[v] = self.locked[v] | {axis}
 
     def try_apply(self, action: Tile | Replicate) -> bool:
         """Apply if legal; the search uses this to skip illegal actions."""
@@ -188,6 +198,16 @@ class ShardingState:
 
     def _step(self, o: int, axis: str) -> list[int]:
         rule = self.rules[o]
+        if rule.name in _MOVES and axis in self.shard[rule.operands[0].value].partial:
+            # a pending sum moves through pure data movement (transposes, reshapes): reduce later, once
+            self.passthrough[o] = self.passthrough[o] | {axis}
+            changed = []
+            for t in rule.results:
+                sh = self.shard[t.value]
+                if axis not in sh.axes and axis not in self.locked[t.value]:
+                    self.shard[t.value] = Sharding(sh.dims, sh.partial | {axis})
+                    changed.append(t.value)
+            return changed
         f = self.factor_of(o, axis)
         if f is None:
             cands: dict[int, list[int]] = {}
@@ -250,7 +270,7 @@ class ShardingState:
         rule = self.rules[o]
         t = rule.results[r]
         partial = frozenset(ax for f in rule.reduced[r] if f not in t.dims for ax in self.assign[o].get(f, ()))
-        return Sharding(self.required(o, t.dims), partial)
+        return Sharding(self.required(o, t.dims), partial | self.passthrough[o])
 
     def reduced_axes(self, o: int) -> frozenset[str]:
         rule = self.rules[o]

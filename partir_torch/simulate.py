@@ -139,8 +139,10 @@ def simulate(
         operands = [convert(t.value, required_operand(state, op.id, i)) for i, t in enumerate(rule.operands)]
         results = [o for o in op.outputs if o >= 0]
         out_locals: list[list[torch.Tensor]] = [[] for _ in results]
+        contiguous = op.target in ("aten.view.default", "aten._unsafe_view.default")
         for d in range(len(m.coords)):
-            it = iter(ops_[d] for ops_ in operands)
+            # a local shard's strides differ from the global tensor's: views need contiguous inputs
+            it = iter(ops_[d].contiguous() if contiguous else ops_[d] for ops_ in operands)
             args = _subst(op.args, it)
             kwargs = {k: _subst(a, it) for k, a in op.kwargs}
             if op.target in _SHAPE_ARG and results:

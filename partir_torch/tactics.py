@@ -9,7 +9,9 @@ Text form: `"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` (`ZeRO3`, `FSDP`
   are not linears, normalizations or reductions. The first is tiled on its output features, the second on
   its input features. No module or parameter name is read.
 - ZeRO(axis, stage): optimizer states (1), plus gradients (2), plus parameters (3) tiled on `axis` along
-  their first divisible dim; at stages 1 and 2 parameters are kept replicated on `axis`.
+  their first divisible dim. Forward and backward values are fenced (kept as they are on `axis`), so the
+  optimizer's sharding does not leak into the model's computation: sharded parameters are all-gathered
+  where they are used, gradients reduce-scattered.
 - FSDP(axis) = BatchParallel(axis) then ZeRO(axis, 3).
 - Manual({glob: spec}): per-value specs in torch_xla's partition-spec form.
 """
@@ -22,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from partir_torch.errors import IllegalActionError, PartirError
-from partir_torch.ir.actions import Replicate, Tile
+from partir_torch.ir.actions import Tile
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Phase, Program, Role
 from partir_torch.propagate import ShardingState
@@ -136,22 +138,26 @@ class ZeRO:
             raise ScheduleError(f"ZeRO stage must be 1, 2 or 3, got {self.stage}")
 
     def apply(self, state: ShardingState) -> None:
+        """Fence the forward and backward passes on `axis` (ZeRO changes only what the optimizer holds and
+        reads; a sharded parameter is all-gathered where it is used), then tile states, grads, params."""
         p = state.program
+        grads = set(p.grads.values())
+        fenced = [v for op in p.ops if op.phase is not Phase.OPTIMIZER for v in op.outputs
+                  if v >= 0 and not (self.stage >= 2 and v in grads)]
+        state.lock(fenced, self.axis)
+        if self.stage < 3:
+            state.lock(p.params.values(), self.axis)
         for name, states in p.opt_states.items():
-            pid = p.params[name]
-            if self.stage < 3:
-                state.try_apply(Replicate(name, self.axis))
             per_param = [v for s, v in states.items() if s not in p.shared_states]
             if not per_param:
                 continue
             d = _free_dim(state, per_param[0], self.axis)
             if d is None:
                 continue
-            targets = list(per_param)
+            targets = [p.params[name]] if self.stage == 3 else []
+            targets += per_param
             if self.stage >= 2 and name in p.grads:
                 targets.append(p.grads[name])
-            if self.stage == 3:
-                targets.insert(0, pid)
             for v in targets:
                 state.try_apply(Tile(p.values[v].name, d, self.axis))
 

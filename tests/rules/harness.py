@@ -33,7 +33,7 @@ def check(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], data, *, n_
     mesh = data.draw(st.sampled_from(MESHES), label="mesh")
     state = ShardingState(program, mesh)
     roles = {Role.PARAMETER, Role.INPUT, Role.OPT_STATE} | ({Role.ACTIVATION} if activations else set())
-    candidates = [v for v in program.values if v.role in roles and v.shape and v.dtype.is_floating_point or
+    candidates = [v for v in program.values if (v.role in roles and v.shape and v.dtype.is_floating_point) or
                   (v.role is Role.INPUT and v.shape)]
     for _ in range(n_actions):
         v = data.draw(st.sampled_from(candidates), label="value")

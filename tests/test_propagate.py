@@ -1,0 +1,145 @@
+"""Propagation, lowering and tactics on small programs: patterns, collectives and typed errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from partir_torch import capture, models
+from partir_torch.errors import IllegalActionError, MeshError
+from partir_torch.ir import Mesh, Replicate, Tile
+from partir_torch.lower import lower, summarize
+from partir_torch.propagate import ShardingState
+from partir_torch.tactics import Manual, ScheduleError, apply_schedule, megatron_pairs, parse_schedule
+
+
+class _Unit(nn.Module):  # names carry no meaning: p1, u, v, n
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.n = nn.LayerNorm(d)
+        self.u = nn.Linear(d, 4 * d)
+        self.v = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.v(F.relu(self.u(self.n(x))))
+
+
+class _Renamed(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.p1 = nn.ModuleList(_Unit(d) for _ in range(3))
+        self.q = nn.Linear(d, 1)
+
+    def forward(self, x):
+        for b in self.p1:
+            x = b(x)
+        return self.q(x)
+
+
+def _mse(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+@pytest.fixture(scope="module")
+def renamed():
+    m = _Renamed()
+    return capture(m, (torch.randn(8, 16), torch.randn(8, 1)), _mse, "adamw")
+
+
+def test_megatron_pairs_come_from_structure_not_names(renamed):
+    p = renamed
+    state = apply_schedule(p, Mesh.parse("model=4"), "model:Megatron")
+    for i in range(3):
+        assert str(state.shard[p.params[f"p1.{i}.u.weight"]]) == "P('model', None)"
+        assert str(state.shard[p.params[f"p1.{i}.u.bias"]]) == "P('model')"  # by propagation
+        assert str(state.shard[p.params[f"p1.{i}.v.weight"]]) == "P(None, 'model')"
+        assert str(state.shard[p.params[f"p1.{i}.v.bias"]]) == "P(None)"
+        # optimizer states follow their parameter through the update arithmetic
+        assert str(state.shard[p.value(f"opt.exp_avg[p1.{i}.u.weight]").id]) == "P('model', None)"
+    assert not state.shard[p.params["q.weight"]].axes
+    kinds = summarize(lower(state))
+    assert set(kinds) == {"all-reduce"} and set(kinds["all-reduce"]) == {"model"}
+    assert len(megatron_pairs(p, state.rules)) == 3
+
+
+def test_group_action_tiles_every_layer(renamed):
+    state = ShardingState(renamed, Mesh.parse("model=2"))
+    state.apply(Tile("p1.*.u.weight", 0, "model"))
+    assert all("model" in state.shard[renamed.params[f"p1.{i}.u.weight"]].axes for i in range(3))
+
+
+def test_data_parallel_all_reduces_exactly_the_gradients():
+    torch.manual_seed(0)
+    model, inputs, loss_fn = models.build("tiny-mlp", device="meta")
+    p = capture(model, inputs, loss_fn, "adamw")
+    state = apply_schedule(p, Mesh.parse("batch=8"), "batch:BatchParallel")
+    coll = lower(state)
+    grads = {p.grads[n] for n in p.params}
+    assert {c.value for c in coll if c.kind == "all-reduce"} == grads | {p.loss}
+    assert sum(c.bytes for c in coll) == p.param_bytes() + 4  # gradients + the scalar loss
+    assert not state.conflicts
+
+
+def test_zero_shards_optimizer_state_and_gathers_updated_params():
+    model, inputs, loss_fn = models.build("tiny-mlp", device="meta")
+    p = capture(model, inputs, loss_fn, "adamw")
+    state = apply_schedule(p, Mesh.parse("batch=4"), "batch:BatchParallel;batch:ZeRO(1)")
+    w = "layers.0.fc1.weight"
+    assert str(state.shard[p.value(f"opt.exp_avg[{w}]").id]) == "P('batch', None)"
+    assert not state.shard[p.params[w]].axes
+    kinds = summarize(lower(state))
+    # gradients: all-reduce + slice fused into reduce-scatter; parameters: all-gathered after the update
+    assert kinds["reduce-scatter"]["batch"] == kinds["all-gather"]["batch"] == p.param_bytes()
+
+
+def test_conflicts_are_recorded_not_resolved():
+    model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
+    p = capture(model, inputs, loss_fn, "sgd")
+    state = apply_schedule(p, Mesh.parse("model=2"), "model:Megatron")
+    splits = [c for c in state.conflicts if p.ops[c.op].target == "aten.split.Tensor"]
+    assert splits and "needs replication" in splits[0].why  # GPT-2's fused qkv split
+    assert "split" in splits[0].describe(p)
+
+
+def test_typed_errors_show_values():
+    model, inputs, loss_fn = models.build("tiny-mlp", device="meta")
+    p = capture(model, inputs, loss_fn, "sgd")
+    state = ShardingState(p, Mesh.parse("batch=2,model=3"))
+    with pytest.raises(IllegalActionError, match=r"cannot tile layers\.0\.fc1\.weight \[32, 16\] dim 0 \(size 32\) over 'model'.*3 \(model=3\)"):
+        state.apply(Tile("layers.0.fc1.weight", 0, "model"))
+    with pytest.raises(MeshError, match=r"unknown mesh axis 'data'; this mesh has axes \['batch', 'model'\]"):
+        state.apply(Tile("layers.0.fc1.weight", 0, "data"))
+    with pytest.raises(KeyError, match=r"no value named 'layers\.0\.fc9\.weight'.*did you mean"):
+        state.apply(Tile("layers.0.fc9.weight", 0, "batch"))
+    state.apply(Replicate("layers.0.fc1.weight", "batch"))
+    with pytest.raises(IllegalActionError, match=r"replicated on 'batch' by an earlier action"):
+        state.apply(Tile("layers.0.fc1.weight", 0, "batch"))
+    state.apply(Tile("layers.0.fc2.weight", 1, "batch"))
+    with pytest.raises(IllegalActionError, match=r"axis 'batch' is already used on layers\.0\.fc2\.weight"):
+        state.apply(Tile("layers.0.fc2.weight", 0, "batch"))
+
+
+def test_schedule_text_and_errors():
+    mesh = Mesh.parse("batch=2,model=4")
+    ts = parse_schedule("batch:BatchParallel; model:Megatron; batch:ZeRO(3); batch:ZeRO2; batch:FSDP; batch:DP", mesh)
+    assert [type(t).__name__ for t in ts] == ["BatchParallel", "Megatron", "ZeRO", "ZeRO", "FSDP", "BatchParallel"]
+    assert (ts[2].stage, ts[3].stage) == (3, 2)
+    with pytest.raises(ScheduleError, match=r"names axis 'data'; the mesh has axes \['batch', 'model'\]"):
+        parse_schedule("data:BatchParallel", mesh)
+    with pytest.raises(ScheduleError, match=r"unknown tactic 'Pipeline'.*known: BatchParallel"):
+        parse_schedule("batch:Pipeline", mesh)
+    with pytest.raises(ScheduleError, match=r"cannot parse"):
+        parse_schedule("batch BatchParallel", mesh)
+
+
+def test_manual_specs(renamed):
+    state = ShardingState(renamed, Mesh.parse("batch=2,model=2"))
+    Manual({"p1.*.u.weight": ["model", None], "inputs[[]0[]]": ["batch", None]}).apply(state)
+    assert str(state.shard[renamed.params["p1.2.u.weight"]]) == "P('model', None)"
+    assert str(state.shard[renamed.inputs[0]]) == "P('batch', None)"
+    with pytest.raises(ScheduleError, match=r"has 1 entries; the value has shape \[64, 16\]"):
+        Manual({"p1.0.u.weight": ["model"]}).apply(state)
+    with pytest.raises(ScheduleError, match=r"matches no parameter"):
+        Manual({"nothing.*": [None]}).apply(state)
