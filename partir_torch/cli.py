@@ -75,6 +75,102 @@ def _print_capture(s: dict[str, Any], top: int) -> None:
     con.print(t)
 
 
+def cmd_coverage(args: argparse.Namespace) -> int:
+    from partir_torch import workload
+    from partir_torch.capture import capture
+    from partir_torch.rules import rule_name
+
+    model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
+    program = capture(model, inputs, loss_fn, None if args.optimizer == "none" else args.optimizer)
+    counts = program.op_counts()
+    ops = {t: rule_name(t) for t in sorted(counts)}
+    missing = [t for t, r in ops.items() if r is None]
+    if args.json:
+        json.dump({"model": args.model, "ops": ops, "counts": dict(counts), "missing": missing,
+                   "covered": len(ops) - len(missing), "total": len(ops)}, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{args.model}: rule coverage of the training step ({len(ops) - len(missing)}/{len(ops)} aten ops)")
+    for c in ("aten op", "count", "rule"):
+        t.add_column(c, justify="right" if c == "count" else "left")
+    for op, r in ops.items():
+        t.add_row(op, str(counts[op]), r or "[red]missing[/]")
+    Console(width=120).print(t)
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import torch
+
+    from partir_torch import workload
+    from partir_torch.capture import capture
+    from partir_torch.ir import Mesh
+    from partir_torch.lower import summarize
+    from partir_torch.simulate import simulate
+    from partir_torch.tactics import apply_schedule
+
+    torch.manual_seed(args.seed)
+    model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config), device="cpu")
+    if any(p.is_meta for p in model.parameters()):
+        raise PartirError(f"{args.model} was built on meta; the simulator needs real weights")
+    program = capture(model, inputs, loss_fn, args.optimizer)
+    mesh = Mesh.parse(args.mesh)
+    state = apply_schedule(program, mesh, args.schedule)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(args.seed)
+    states = {}
+    for n, p in params.items():
+        if args.optimizer == "sgd":
+            states[n] = {"momentum_buffer": torch.randn(p.shape, generator=g) * 0.01}
+        else:
+            states[n] = {"exp_avg": torch.randn(p.shape, generator=g) * 0.01,
+                         "exp_avg_sq": torch.rand(p.shape, generator=g) * 0.01, "step": torch.tensor(3.0)}
+    res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
+    groups = {"loss": [], "gradients": [], "parameters": [], "optimizer_state": [], "buffers": []}
+    for name, d in res.diffs.items():
+        key = ("loss" if name == "loss" else "gradients" if name.startswith("grad[") else
+               "optimizer_state" if name.startswith("updated.opt.") else
+               "parameters" if name.removeprefix("updated[").removesuffix("]") in program.params else "buffers")
+        groups[key].append(d)
+    by_kind = {k: max(v) for k, v in groups.items() if v}
+    out = {
+        "model": args.model, "mesh": dict(mesh.axes), "schedule": args.schedule,
+        "max_abs_diff": res.max_abs_diff, "max_abs_diff_by_kind": by_kind, "replica_mismatch": res.replica_mismatch,
+        "conflicts": [c.describe(program) for c in state.conflicts],
+        "collectives": [c.to_json(state) for c in res.collectives],
+        "comm_bytes": summarize(res.collectives), "executed": res.executed,
+        "params": {n: state.shard[v].to_spec() for n, v in program.params.items()},
+    }
+    if args.json:
+        json.dump(out, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=120)
+    con.print(f"[bold]{args.model}[/] on {mesh} with {args.schedule}: max |sharded - unsharded| = "
+              f"{res.max_abs_diff:.3g} (" + ", ".join(f"{k} {v:.2g}" for k, v in by_kind.items()) + ")")
+    t = Table(title="collectives (bytes per device)")
+    for c in ("kind", "axis", "count", "bytes"):
+        t.add_column(c)
+    counts: dict[tuple[str, str], int] = {}
+    for c in res.collectives:
+        counts[(c.kind, c.axis)] = counts.get((c.kind, c.axis), 0) + 1
+    for kind, axes in out["comm_bytes"].items():
+        for axis, b in axes.items():
+            t.add_row(kind, axis, str(counts[(kind, axis)]), _fmt_bytes(b))
+    con.print(t)
+    sharded = {n: spec for n, spec in out["params"].items() if any(spec)}
+    con.print(f"{len(sharded)} of {len(out['params'])} parameters sharded; {len(state.conflicts)} propagation conflicts")
+    for n, spec in list(sharded.items())[:12]:
+        con.print(f"  {n}: {spec}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="partir-torch", description="Automatic SPMD partitioning for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -87,6 +183,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.add_argument("--top", type=int, default=15, help="rows of the op table")
     c.set_defaults(fn=cmd_capture)
+
+    cv = sub.add_parser("coverage", help="every aten op of the training step and the rule that covers it")
+    cv.add_argument("model")
+    cv.add_argument("--config", action="append", metavar="KEY=VALUE")
+    cv.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    cv.add_argument("--json", action="store_true")
+    cv.set_defaults(fn=cmd_coverage)
+
+    sm = sub.add_parser("simulate", help="run a plan per device in plain torch and compare with unsharded (use tiny-* models)")
+    sm.add_argument("model")
+    sm.add_argument("--config", action="append", metavar="KEY=VALUE")
+    sm.add_argument("--mesh", required=True, help="e.g. batch=2,model=4")
+    sm.add_argument("--schedule", required=True, help='e.g. "batch:BatchParallel;model:Megatron;batch:ZeRO(1)"')
+    sm.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--json", action="store_true")
+    sm.set_defaults(fn=cmd_simulate)
 
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=cmd_models)

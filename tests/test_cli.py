@@ -48,3 +48,25 @@ def test_capture_table_for_a_factory_file(tmp_path, capsys):
 def test_bad_model_arguments_are_named(argv, match, capsys):
     assert main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+def test_coverage_json(capsys):
+    assert main(["coverage", "tiny-llama", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["missing"] == [] and out["ops"]["aten.mm.default"] == "matrix.mm"
+    assert out["covered"] == out["total"] == len(out["ops"])
+
+
+def test_simulate_json(capsys):
+    argv = ["simulate", "tiny-mlp", "--mesh", "batch=2,model=4", "--schedule", "batch:BatchParallel;model:Megatron", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_abs_diff"] <= 1e-5 and out["mesh"] == {"batch": 2, "model": 4}
+    kinds = {(c["kind"], c["axis"]) for c in out["collectives"]}
+    assert ("all-reduce", "batch") in kinds and ("all-reduce", "model") in kinds
+    assert out["params"]["layers.0.fc1.weight"] == ["model", None]
+
+
+def test_simulate_bad_schedule_is_named(capsys):
+    assert main(["simulate", "tiny-mlp", "--mesh", "batch=2", "--schedule", "model:Megatron"]) == 2
+    assert "names axis 'model'" in capsys.readouterr().err
