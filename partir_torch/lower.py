@@ -97,7 +97,7 @@ def lower(state: ShardingState) -> list[Collective]:
         for kind, axis, nbytes in transitions(src, dst, val.shape, val.dtype.itemsize, mesh):
             out.append(Collective(kind, axis, nbytes, v, op, str(src), str(dst)))
 
-    for o in range(len(program.ops)):
+    for o in state.active_ops():  # an op with only replicated tensors and no assignment implies nothing
         rule = state.rules[o]
         for i, t in enumerate(rule.operands):
             add(t.value, state.shard[t.value], required_operand(state, o, i), o)

@@ -91,12 +91,16 @@ class ShardingState:
                         touch[t.value].append(i)
             self.touch = touch
             program._touch = touch  # type: ignore[attr-defined]
-        keys = _peer_keys(program)
-        by_key: dict[str, list[int]] = {}
-        for v, k in keys.items():
-            by_key.setdefault(k, []).append(v)
-        self.peers = {v: by_key[k] for v, k in keys.items()}
-        self.templates = by_key
+        cached = getattr(program, "_peers", None)
+        if cached is None:
+            by_key: dict[str, list[int]] = {}
+            keys = _peer_keys(program)
+            for v, k in keys.items():
+                by_key.setdefault(k, []).append(v)
+            cached = ({v: by_key[k] for v, k in keys.items()}, by_key)
+            program._peers = cached  # type: ignore[attr-defined]
+        self.peers, self.templates = cached
+        self.changed: set[int] = set()  # values whose sharding left the replicated default
 
     # -- actions --------------------------------------------------------------------------------------
     def resolve(self, target: str) -> list[int]:
@@ -128,6 +132,7 @@ class ShardingState:
             if -len(dims) <= action.dim < len(dims) and action.axis in dims[action.dim]:
                 continue  # already implied by propagation
             self.shard[v] = self.shard[v].tile(action.dim, action.axis, value=val.name, shape=val.shape, mesh=self.mesh)
+            self.changed.add(v)
             changed.append(v)
         self.actions.append(action)
         self.propagate(action.axis, changed)
@@ -155,6 +160,7 @@ class ShardingState:
             self.shard[v] = self.shard[v].tile(d, axis, value=val.name, shape=val.shape, mesh=self.mesh)
         except IllegalActionError:
             return False
+        self.changed.add(v)
         return True
 
     def propagate(self, axis: str, seeds: Iterable[int]) -> None:
@@ -190,6 +196,14 @@ class ShardingState:
             if p != v and self._tile(p, d, axis):
                 touched(p)
 
+    def active_ops(self) -> list[int]:
+        """Ops that can imply communication: those with a factor assignment or touching a sharded value."""
+        ops = {o for o, a in enumerate(self.assign) if a}
+        ops.update(o for o, p in enumerate(self.passthrough) if p)
+        for v in self.changed:
+            ops.update(self.touch[v])
+        return sorted(ops)
+
     def factor_of(self, op: int, axis: str) -> int | None:
         for f, axes in self.assign[op].items():
             if axis in axes:
@@ -206,6 +220,7 @@ class ShardingState:
                 sh = self.shard[t.value]
                 if axis not in sh.axes and axis not in self.locked[t.value]:
                     self.shard[t.value] = Sharding(sh.dims, sh.partial | {axis})
+                    self.changed.add(t.value)
                     changed.append(t.value)
             return changed
         f = self.factor_of(o, axis)
@@ -252,6 +267,7 @@ class ShardingState:
                 sh = self.shard[v]
                 if axis not in sh.axes and axis not in self.locked[v]:
                     self.shard[v] = Sharding(sh.dims, sh.partial | {axis})
+                    self.changed.add(v)
                     changed.append(v)
         return changed
 

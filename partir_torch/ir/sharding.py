@@ -20,6 +20,10 @@ from partir_torch.ir.mesh import Mesh
 class Sharding:
     dims: tuple[tuple[str, ...], ...]
     partial: frozenset[str] = field(default_factory=frozenset)
+    _axes: frozenset[str] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:  # read in the propagation loop: computed once
+        object.__setattr__(self, "_axes", frozenset(a for d in self.dims for a in d) | self.partial)
 
     @classmethod
     def replicated(cls, rank: int) -> Sharding:
@@ -33,7 +37,7 @@ class Sharding:
 
     @property
     def axes(self) -> frozenset[str]:
-        return frozenset(a for d in self.dims for a in d) | self.partial
+        return self._axes
 
     def tile(self, dim: int, axis: str, *, value: str = "value", shape: tuple[int, ...] | None = None,
              mesh: Mesh | None = None) -> Sharding:
