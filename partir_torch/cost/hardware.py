@@ -1,0 +1,86 @@
+"""Hardware presets: peak FLOP/s, memory, HBM bandwidth, per-axis link bandwidth and latency.
+
+Figures are per chip / per GPU, dense, from the vendors' public spec sheets (see `../shared/notes/hardware.md`):
+- TPU v4: 275 TFLOP/s bf16, 32 GiB HBM at ~1.2 TB/s, ICI ~2400 Gbps per chip (cloud.google.com/tpu/docs/v4).
+- TPU v5e: 197 TFLOP/s bf16, 16 GiB at ~0.82 TB/s, ICI ~1600 Gbps (cloud.google.com/tpu/docs/v5e).
+- TPU v5p: 459 TFLOP/s bf16, 95 GiB at ~2.77 TB/s, ICI ~4800 Gbps (cloud.google.com/tpu/docs/v5p).
+- TPU v6e: 918 TFLOP/s bf16, 32 GiB at ~1.64 TB/s, ICI ~3200 Gbps (cloud.google.com/tpu/docs/v6e).
+- A100 80GB SXM: 312 TFLOP/s bf16, 80 GB at ~2.0 TB/s, NVLink3 600 GB/s bidirectional; IB HDR 200 Gb/s per GPU.
+- H100 SXM: 989 TFLOP/s bf16, 80 GB at ~3.35 TB/s, NVLink4 900 GB/s bidirectional; IB NDR 400 Gb/s per GPU.
+- H200 SXM: 989 TFLOP/s bf16, 141 GB at ~4.8 TB/s, NVLink4 900 GB/s bidirectional; IB NDR 400 Gb/s per GPU.
+- cpu-virtual: the 8-device CPU mesh of tests and the demo; times mean nothing, bytes are exact.
+Link bandwidth here is the one-direction bandwidth a ring collective on one mesh axis can use per device
+(half of a bidirectional NVLink figure; a TPU's ICI split over its torus dimensions is approximated by the
+per-chip figure / 2). fp32 peak is taken as half of bf16 on TPUs (MXU passes) and from the spec sheet on GPUs
+(TF32 tensor cores). Every figure can be overridden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from partir_torch.errors import PartirError
+
+GB, GiB, TB = 1e9, 2**30, 1e12
+
+
+class HardwareError(PartirError):
+    """Unknown preset or invalid override."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops_bf16: float  # FLOP/s per device
+    peak_flops_fp32: float
+    memory: float  # bytes per device
+    hbm_bandwidth: float  # bytes/s
+    link_bandwidth: float  # bytes/s per device, one direction, fast axes (ICI / NVLink)
+    link_latency: float  # s per collective step on fast axes
+    dcn_bandwidth: float  # bytes/s per device across slices / nodes (DCN / InfiniBand)
+    dcn_latency: float
+    max_fast_devices: int  # devices one fast domain holds (a TPU slice, an NVLink node)
+    matmul_efficiency: float = 0.6  # fraction of peak a large matmul reaches (documented in docs/cost-model.md)
+    launch_floor: float = 2e-6  # s, the least an op costs
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "name" and (not isinstance(v, (int, float)) or v <= 0):
+                raise HardwareError(f"hardware {self.name!r}: {f.name} must be a positive number, got {v!r}")
+        if self.matmul_efficiency > 1:
+            raise HardwareError(f"hardware {self.name!r}: matmul_efficiency is a fraction of peak, got {self.matmul_efficiency}")
+
+    def peak(self, itemsize: int) -> float:
+        return self.peak_flops_fp32 if itemsize >= 4 else self.peak_flops_bf16
+
+
+def _gbps(x: float) -> float:
+    return x * 1e9 / 8
+
+
+PRESETS: dict[str, Hardware] = {
+    h.name: h
+    for h in [
+        Hardware("tpu-v4", 275 * TB, 137.5 * TB, 32 * GiB, 1.2 * TB, _gbps(2400) / 2, 5e-6, _gbps(100), 2e-5, 4096),
+        Hardware("tpu-v5e", 197 * TB, 98.5 * TB, 16 * GiB, 0.82 * TB, _gbps(1600) / 2, 5e-6, _gbps(100), 2e-5, 256),
+        Hardware("tpu-v5p", 459 * TB, 229.5 * TB, 95 * GiB, 2.77 * TB, _gbps(4800) / 2, 5e-6, _gbps(100), 2e-5, 8960),
+        Hardware("tpu-v6e", 918 * TB, 459 * TB, 32 * GiB, 1.64 * TB, _gbps(3200) / 2, 5e-6, _gbps(100), 2e-5, 256),
+        Hardware("a100-80gb", 312 * TB, 156 * TB, 80 * GB, 2.0 * TB, 300 * GB, 8e-6, _gbps(200), 2e-5, 8),
+        Hardware("h100-sxm", 989 * TB, 494.5 * TB, 80 * GB, 3.35 * TB, 450 * GB, 8e-6, _gbps(400), 2e-5, 8),
+        Hardware("h200-sxm", 989 * TB, 494.5 * TB, 141 * GB, 4.8 * TB, 450 * GB, 8e-6, _gbps(400), 2e-5, 8),
+        Hardware("cpu-virtual", 1e11, 1e11, 16 * GiB, 2e10, 1e10, 1e-5, 1e9, 1e-4, 64),
+    ]
+}
+
+
+def hardware(name: str | Hardware, **overrides: float) -> Hardware:
+    """A preset by name, with any figure overridden (`memory=16 * 2**30`, `link_bandwidth=...`)."""
+    hw = name if isinstance(name, Hardware) else PRESETS.get(name)
+    if hw is None:
+        raise HardwareError(f"unknown hardware preset {name!r}; presets: {', '.join(PRESETS)}")
+    known = {f.name for f in fields(Hardware)} - {"name"}
+    bad = set(overrides) - known
+    if bad:
+        raise HardwareError(f"unknown hardware figure(s) {sorted(bad)}; figures: {sorted(known)}")
+    return replace(hw, **overrides) if overrides else hw

@@ -1,0 +1,85 @@
+"""Cost model: presets and their errors, the alpha-beta formulas, compute, communication and memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from partir_torch import capture, models
+from partir_torch.cost import PRESETS, HardwareError, collective_time, evaluate, hardware
+from partir_torch.ir import Mesh, Tile
+from partir_torch.lower import Collective, lower, summarize
+from partir_torch.propagate import ShardingState
+from partir_torch.tactics import apply_schedule
+
+
+def test_presets_and_overrides():
+    assert {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "a100-80gb", "h100-sxm", "h200-sxm", "cpu-virtual"} <= set(PRESETS)
+    hw = hardware("tpu-v5e", memory=8 * 2**30)
+    assert hw.memory == 8 * 2**30 and hw.peak_flops_bf16 == PRESETS["tpu-v5e"].peak_flops_bf16
+    with pytest.raises(HardwareError, match=r"unknown hardware preset 'tpu-v9'; presets: tpu-v4, tpu-v5e"):
+        hardware("tpu-v9")
+    with pytest.raises(HardwareError, match=r"memory must be a positive number, got -1"):
+        hardware("h100-sxm", memory=-1)
+    with pytest.raises(HardwareError, match=r"unknown hardware figure\(s\) \['flops'\]"):
+        hardware("h100-sxm", flops=1.0)
+
+
+def test_alpha_beta_ring_formulas():
+    def c(kind):
+        return Collective(kind, "x", 1000, 0, 0, "", "")
+
+    assert collective_time(c("all-reduce"), 4, 100.0, 0.5) == pytest.approx(2 * 3 / 4 * 10 + 2 * 3 * 0.5)
+    for kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        assert collective_time(c(kind), 4, 100.0, 0.5) == pytest.approx(3 / 4 * 10 + 3 * 0.5)
+    assert collective_time(c("all-reduce"), 1, 100.0, 0.5) == 0.0
+
+
+class _MM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 32))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def test_matmul_flops_are_per_device():
+    p = capture(_MM(), (torch.randn(128, 64),), mode="inference")
+    hw = hardware("cpu-virtual")
+    whole = evaluate(ShardingState(p, Mesh.parse("x=4")), hw)
+    st = ShardingState(p, Mesh.parse("x=4"))
+    st.apply(Tile("inputs[0]", 0, "x"))
+    quarter = evaluate(st, hw)
+    assert whole.flops_per_device == 2 * 128 * 64 * 32
+    assert quarter.flops_per_device == whole.flops_per_device / 4
+
+
+def test_communication_matches_lowering_and_dcn_is_slower():
+    model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
+    p = capture(model, inputs, loss_fn, "adamw")
+    st = apply_schedule(p, Mesh.parse("batch=2,model=2"), "batch:BatchParallel;model:Megatron")
+    hw = hardware("h100-sxm")
+    r = evaluate(st, hw)
+    assert r.comm_bytes == summarize(lower(st))
+    slow = evaluate(st, hw, dcn_axes=frozenset({"batch"}))
+    assert slow.comm_time_by_axis["batch"] > r.comm_time_by_axis["batch"]
+    assert slow.comm_time_by_axis["model"] == r.comm_time_by_axis["model"]
+    assert r.to_json()["comm_bytes"]["all-reduce"] == sum(r.comm_bytes["all-reduce"].values())
+
+
+def test_memory_accounts_sharding():
+    model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
+    p = capture(model, inputs, loss_fn, "adamw")
+    hw = hardware("cpu-virtual")
+    dp = evaluate(apply_schedule(p, Mesh.parse("batch=4"), "batch:BatchParallel"), hw)
+    fsdp = evaluate(apply_schedule(p, Mesh.parse("batch=4"), "batch:FSDP"), hw)
+    assert dp.param_bytes_per_device == p.param_bytes()
+    assert dp.opt_state_bytes_per_device == 2 * p.param_bytes() + 4  # exp_avg, exp_avg_sq and the step
+    assert fsdp.param_bytes_per_device < 0.3 * p.param_bytes()  # most tensors split 4 ways
+    assert fsdp.peak_memory_bytes < dp.peak_memory_bytes
+    assert dp.peak_memory_bytes >= dp.param_bytes_per_device + dp.opt_state_bytes_per_device
+    assert dp.feasible and "peak memory per device" in str(dp)
+    tight = evaluate(apply_schedule(p, Mesh.parse("batch=4"), "batch:BatchParallel"), hw, memory_limit=1024)
+    assert not tight.feasible and "DOES NOT FIT" in str(tight)
