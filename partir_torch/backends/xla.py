@@ -1,0 +1,141 @@
+"""Run one training step through torch_xla SPMD on a (virtual CPU) device mesh, and read what XLA compiled.
+
+This is the only module that imports torch_xla, and it does so in a worker subprocess: XLA reads
+`XLA_FLAGS` (the HLO dump) and `CPU_NUM_DEVICES` once, when its runtime starts, so each compile gets a fresh
+process with its own dump directory.
+
+    run_step("tiny-gpt2", mesh, {"h.0.attn.c_attn.weight": ["model", None], ...}, input_specs=[["batch", None], ...])
+
+The parameters, inputs and optimizer states get `xs.mark_sharding` with the given partition specs (torch_xla's
+form: one entry per dim, None / axis / tuple of axes); the optimizer states are created up front (zeros,
+step 0) so that they can be sharded, and the optimizer runs with `capturable=True` so the whole step is one
+graph. The largest partitioned module of the dump is the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from partir_torch.backends.hlo import HloCollective, find_step_module, read_collectives, read_memory_total
+from partir_torch.errors import PartirError
+from partir_torch.ir.mesh import Mesh
+
+
+class XlaError(PartirError):
+    """The torch_xla worker failed."""
+
+
+@dataclass
+class XlaStep:
+    loss: float
+    collectives: list[HloCollective]
+    memory_total: int | None
+    hlo_path: str
+    compile_s: float
+    params_after: dict[str, list] | None = None
+
+
+def run_step(
+    model: str,
+    mesh: Mesh,
+    param_specs: dict[str, list],
+    input_specs: list[list | None] | None = None,
+    state_specs: dict[str, dict[str, list]] | None = None,
+    *,
+    overrides: dict[str, str] | None = None,
+    optimizer: str = "adamw",
+    seed: int = 0,
+    dump_dir: str | None = None,
+    timeout: float = 900,
+    return_params: bool = False,
+) -> XlaStep:
+    dump_dir = dump_dir or tempfile.mkdtemp(prefix="partir-xla-")
+    job = {"model": model, "overrides": overrides or {}, "mesh": list(mesh.axes), "params": param_specs,
+           "inputs": input_specs, "states": state_specs or {}, "optimizer": optimizer, "seed": seed,
+           "dump": dump_dir, "return_params": return_params}
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(mesh.devices),
+           "XLA_FLAGS": f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$",
+           "TF_CPP_MIN_LOG_LEVEL": "2"}
+    res = subprocess.run([sys.executable, "-m", "partir_torch.backends.xla", json.dumps(job)], env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise XlaError(f"torch_xla worker failed for {model} on {mesh}:\n{res.stderr[-3000:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    hlo, mem = find_step_module(dump_dir)
+    return XlaStep(out["loss"], read_collectives(hlo.read_text(), list(mesh.axes)),
+                   read_memory_total(mem.read_text()) if mem else None, str(hlo), out["compile_s"],
+                   out.get("params_after"))
+
+
+def _spec(entry: list | None, n: int) -> tuple:
+    if entry is None:
+        return (None,) * n
+    return tuple(tuple(e) if isinstance(e, list) else e for e in entry)
+
+
+def _worker(job: dict[str, Any]) -> dict[str, Any]:
+    import time
+
+    import numpy as np
+    import torch
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    from partir_torch import workload
+
+    xr.use_spmd()
+    torch.manual_seed(job["seed"])
+    model, inputs, loss_fn = workload.load(job["model"], job["overrides"], device="cpu")
+    names = [a for a, _ in job["mesh"]]
+    shape = tuple(s for _, s in job["mesh"])
+    mesh = xs.Mesh(np.arange(int(np.prod(shape))), shape, tuple(names))
+    dev = torch_xla.device()
+    model = model.to(dev)
+    params = dict(model.named_parameters())
+    for n, p in params.items():
+        xs.mark_sharding(p, mesh, _spec(job["params"].get(n), p.dim()))
+    xin = []
+    for i, x in enumerate(inputs):
+        x = x.to(dev)
+        spec = (job["inputs"] or [None] * len(inputs))[i]
+        xs.mark_sharding(x, mesh, _spec(spec, x.dim()))
+        xin.append(x)
+    kind = job["optimizer"]
+    if kind == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, foreach=False)
+        init = {"momentum_buffer": lambda p: torch.zeros_like(p)}
+    else:
+        cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+        opt = cls(model.parameters(), lr=1e-3, foreach=False, capturable=True)
+        init = {"step": lambda p: torch.zeros((), device=dev), "exp_avg": torch.zeros_like, "exp_avg_sq": torch.zeros_like}
+    for n, p in params.items():
+        st = {}
+        for s, make in init.items():
+            t = make(p)
+            if t.dim():
+                xs.mark_sharding(t, mesh, _spec(job["states"].get(n, {}).get(s, job["params"].get(n)), t.dim()))
+            st[s] = t
+        opt.state[p] = st
+    torch_xla.sync()
+    t0 = time.perf_counter()
+    loss = loss_fn(model, *xin)
+    loss.backward()
+    opt.step()
+    torch_xla.sync()
+    value = float(loss.detach().cpu())
+    out = {"loss": value, "compile_s": time.perf_counter() - t0}
+    if job.get("return_params"):
+        out["params_after"] = {n: p.detach().cpu().flatten()[:64].tolist() for n, p in params.items()}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(json.loads(sys.argv[1]))))
