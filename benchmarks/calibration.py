@@ -1,0 +1,54 @@
+"""Calibration of the cost model against XLA's compiled, SPMD-partitioned programs (8-device CPU mesh).
+
+    .venv/bin/python benchmarks/calibration.py [--models tiny-mlp tiny-gpt2 tiny-llama] [--mesh batch=2,model=4]
+
+For every model x plan: collective bytes per device by kind, predicted (in XLA CPU's form: reduce-scatter
+counted as the all-reduce it compiles to) vs what XLA emitted, and per-device memory (our liveness peak vs
+XLA's buffer-assignment total). Prints a table, writes benchmarks/results/calibration.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PLANS = ["batch:BatchParallel", "batch:BatchParallel;model:Megatron",
+         "batch:BatchParallel;model:Megatron;batch:ZeRO(1)", "batch:FSDP"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="*", default=["tiny-mlp", "tiny-gpt2", "tiny-llama"])
+    ap.add_argument("--mesh", default="batch=2,model=4")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "calibration.json"))
+    args = ap.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    from partir_torch.backends.calibrate import calibrate
+
+    rows = []
+    for m in args.models:
+        for plan in PLANS:
+            rows.append(calibrate(m, args.mesh, plan).to_json())
+    t = Table(title=f"cost model vs XLA (CPU, {args.mesh}); bytes per device; predicted / XLA")
+    for c in ("model", "plan", "all-reduce", "all-gather", "all-to-all", "coll.-permute", "memory"):
+        t.add_column(c)
+
+    def cell(r, k):
+        p, x = r["as_cpu"].get(k, 0), r["xla"].get(k, 0)
+        return "-" if not p and not x else f"{p} / {x}" + (f" ({p / x:.2f})" if x and p else "")
+
+    for r in rows:
+        mem = f"{r['predicted_memory']} / {r['xla_memory']} ({r['memory_ratio']:.2f})" if r["xla_memory"] else "-"
+        t.add_row(r["model"], r["schedule"].replace("batch:", "b:").replace("model:", "m:"), cell(r, "all-reduce"),
+                  cell(r, "all-gather"), cell(r, "all-to-all"), cell(r, "collective-permute"), mem)
+    Console(width=160).print(t)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
