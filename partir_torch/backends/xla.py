@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from partir_torch.backends.hlo import HloCollective, find_step_module, read_collectives, read_memory_total
