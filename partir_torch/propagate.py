@@ -101,6 +101,11 @@ class ShardingState:
             program._peers = cached  # type: ignore[attr-defined]
         self.peers, self.templates = cached
         self.changed: set[int] = set()  # values whose sharding left the replicated default
+        layouts = getattr(program, "_layouts", None)
+        if layouts is None:
+            layouts = [None] * len(program.ops)
+            program._layouts = layouts  # type: ignore[attr-defined]
+        self._layouts = layouts
 
     # -- actions --------------------------------------------------------------------------------------
     def resolve(self, target: str) -> list[int]:
@@ -153,7 +158,7 @@ class ShardingState:
 
     # -- propagation ----------------------------------------------------------------------------------
     def _tile(self, v: int, d: int, axis: str) -> bool:
-        if axis in self.locked[v] or axis in self.shard[v].axes:
+        if axis in self.shard[v]._axes or axis in self.locked[v]:
             return False
         val = self.program.values[v]
         try:
@@ -223,19 +228,20 @@ class ShardingState:
                     self.changed.add(t.value)
                     changed.append(t.value)
             return changed
+        tensors, carriers = self._layout(o)
         f = self.factor_of(o, axis)
         if f is None:
             cands: dict[int, list[int]] = {}
-            for t in (*rule.operands, *rule.results):
-                sh = self.shard[t.value]
-                if axis in sh.partial or axis not in sh.axes:
+            shard = self.shard
+            for v, dims in tensors:
+                d = shard[v]._dim_of.get(axis)
+                if d is None:
                     continue
-                d = next(i for i, ax in enumerate(sh.dims) if axis in ax)
-                fd = t.dims[d]
+                fd = dims[d]
                 if fd is None:
-                    self._conflict(o, axis, f"{self.program.values[t.value].name} dim {d} carries no factor of the op", (t.value,))
+                    self._conflict(o, axis, f"{self.program.values[v].name} dim {d} carries no factor of the op", (v,))
                     return []
-                cands.setdefault(fd, []).append(t.value)
+                cands.setdefault(fd, []).append(v)
             if not cands:
                 return []
             if len(cands) > 1:
@@ -249,18 +255,14 @@ class ShardingState:
             k = self.mesh.size(axis)
             for ax in self.assign[o].get(f, ()):
                 k *= self.mesh.size(ax)
-            for t in (*rule.operands, *rule.results):
-                shape = self.program.values[t.value].shape
-                if any(fd == f and shape[d] % k for d, fd in enumerate(t.dims)):
-                    self._conflict(o, axis, f"factor {rule.letters[f]!r} of {self.program.values[t.value].name} "
-                                   f"{list(shape)} does not divide by {k}", (t.value,))
+            values = self.program.values
+            for v, d in carriers.get(f, ()):
+                if values[v].shape[d] % k:
+                    self._conflict(o, axis, f"factor {rule.letters[f]!r} of {values[v].name} "
+                                   f"{list(values[v].shape)} does not divide by {k}", (v,))
                     return []
             self.assign[o][f] = (*self.assign[o].get(f, ()), axis)
-        changed: list[int] = []
-        for t in (*rule.operands, *rule.results):
-            for d, fd in enumerate(t.dims):
-                if fd == f and self._tile(t.value, d, axis):
-                    changed.append(t.value)
+        changed: list[int] = [v for v, d in carriers.get(f, ()) if self._tile(v, d, axis)]
         for t, red in zip(rule.results, rule.reduced):
             if f in red and f not in t.dims:
                 v = t.value
@@ -270,6 +272,21 @@ class ShardingState:
                     self.changed.add(v)
                     changed.append(v)
         return changed
+
+    def _layout(self, o: int):
+        """(tensors as (value, dims), {factor: ((value, dim), ...)}) of op `o`, cached on the program."""
+        cache = self._layouts
+        entry = cache[o]
+        if entry is None:
+            rule = self.rules[o]
+            tensors = tuple((t.value, t.dims) for t in (*rule.operands, *rule.results))
+            carriers: dict[int, list[tuple[int, int]]] = {}
+            for v, dims in tensors:
+                for d, f in enumerate(dims):
+                    if f is not None:
+                        carriers.setdefault(f, []).append((v, d))
+            entry = cache[o] = (tensors, carriers)
+        return entry
 
     def _conflict(self, op: int, axis: str, why: str, values: tuple[int, ...]) -> None:
         if not any(c.op == op and c.axis == axis for c in self.conflicts[-8:]):

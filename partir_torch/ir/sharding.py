@@ -16,18 +16,31 @@ from partir_torch.errors import IllegalActionError
 from partir_torch.ir.mesh import Mesh
 
 
+_REPLICATED: dict[int, Sharding] = {}
+
+
 @dataclass(frozen=True)
 class Sharding:
     dims: tuple[tuple[str, ...], ...]
     partial: frozenset[str] = field(default_factory=frozenset)
     _axes: frozenset[str] = field(init=False, repr=False, compare=False, hash=False)
+    _dim_of: dict = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:  # read in the propagation loop: computed once
         object.__setattr__(self, "_axes", frozenset(a for d in self.dims for a in d) | self.partial)
+        object.__setattr__(self, "_dim_of", {a: i for i, d in enumerate(self.dims) for a in d})
+
+    def dim_of(self, axis: str) -> int | None:
+        """The dim `axis` tiles, or None."""
+        return self._dim_of.get(axis)
 
     @classmethod
     def replicated(cls, rank: int) -> Sharding:
-        return cls(((),) * rank)
+        """Shared per rank: shardings are immutable, and a program has thousands of replicated values."""
+        s = _REPLICATED.get(rank)
+        if s is None:
+            s = _REPLICATED[rank] = cls(((),) * rank)
+        return s
 
     @classmethod
     def from_spec(cls, spec: list) -> Sharding:
