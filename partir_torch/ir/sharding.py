@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from partir_torch.errors import IllegalActionError
 from partir_torch.ir.mesh import Mesh
 
-
 _REPLICATED: dict[int, Sharding] = {}
 
 
