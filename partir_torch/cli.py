@@ -82,8 +82,11 @@ def cmd_coverage(args: argparse.Namespace) -> int:
 
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
     program = capture(model, inputs, loss_fn, None if args.optimizer == "none" else args.optimizer)
+    from torch._decomp import get_decompositions
+
     counts = program.op_counts()
-    ops = {t: rule_name(t) for t in sorted(counts)}
+    overloads = {op.target: op.overload for op in program.ops}
+    ops = {t: rule_name(t) or ("decomposed" if get_decompositions([overloads[t]]) else None) for t in sorted(counts)}
     missing = [t for t, r in ops.items() if r is None]
     if args.json:
         json.dump({"model": args.model, "ops": ops, "counts": dict(counts), "missing": missing,
@@ -128,6 +131,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         else:
             states[n] = {"exp_avg": torch.randn(p.shape, generator=g) * 0.01,
                          "exp_avg_sq": torch.rand(p.shape, generator=g) * 0.01, "step": torch.tensor(3.0)}
+    program = state.program  # ops without rules may have been decomposed
     res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
     groups = {"loss": [], "gradients": [], "parameters": [], "optimizer_state": [], "buffers": []}
     for name, d in res.diffs.items():

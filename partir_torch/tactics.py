@@ -220,8 +220,12 @@ def parse_schedule(text: str, mesh: Mesh) -> list[Tactic]:
 
 
 def apply_schedule(program: Program, mesh: Mesh, schedule: str | list[Tactic], *, fallback: bool = False) -> ShardingState:
+    """Apply a schedule to a fresh state. Ops without rules are decomposed first (`state.program` may then
+    be a re-traced program)."""
+    from partir_torch.rules.decompose import prepare
+
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else schedule
-    state = ShardingState(program, mesh, fallback=fallback)
+    state = ShardingState(prepare(program, fallback=fallback), mesh, fallback=fallback)
     for t in tactics:
         try:
             t.apply(state)

@@ -7,8 +7,9 @@ sum) when the factor is tiled — `reduced`; a factor whose tiling would change 
 normalized dim, a gathered index dim, a convolution's spatial dims) is in `replicate`.
 
 Rules are written as einsum-like specs, e.g. matmul `"mk,kn->mn"`; `_` marks a dimension that carries no
-factor (a broadcast or a size-1 dim). `rule_for(op, program)` is the lookup chain: an explicit rule, else the
-opt-in replicate fallback (warns and names the op), else an error that names the op and how to add a rule.
+factor (a broadcast or a size-1 dim). The lookup chain: an explicit rule (`rule_for`); else a decomposition
+into ops that have rules (`rules.decompose.prepare`, run before propagation); else the opt-in replicate
+fallback (warns and names the op); else `MissingRuleError` naming the op and how to add a rule.
 """
 
 from __future__ import annotations

@@ -22,3 +22,36 @@ def test_every_zoo_op_has_a_rule(name, attn, optimizer):
     for op in program.ops:  # and every rule accepts the op it is registered for
         rule = rule_for(op, program)
         assert len(rule.operands) + len(rule.results) >= 1
+
+
+def test_ops_without_rules_are_decomposed_into_ops_with_rules():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from partir_torch.ir import Mesh
+    from partir_torch.rules.base import MissingRuleError
+    from partir_torch.rules.decompose import missing_ops, prepare
+    from partir_torch.simulate import simulate
+    from partir_torch.tactics import apply_schedule
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return F.hardswish(self.fc(x))  # aten.hardswish has no rule of its own
+
+    torch.manual_seed(0)
+    m, x = M(), torch.randn(4, 8)
+    program = capture(m, (x,), lambda mod, t: mod(t).square().mean(), "sgd")
+    assert missing_ops(program) == {"aten.hardswish.default", "aten.hardswish_backward.default"}
+    with pytest.raises(MissingRuleError, match=r"aten\.hardswish\.default"):
+        rule_for(next(op for op in program.ops if op.target == "aten.hardswish.default"), program)
+    ready = prepare(program)
+    assert not missing_ops(ready)
+    state = apply_schedule(program, Mesh.parse("batch=4"), "batch:BatchParallel")
+    states = {n: {"momentum_buffer": torch.zeros_like(p)} for n, p in m.named_parameters()}
+    res = simulate(state.program, state, {n: p.detach() for n, p in m.named_parameters()}, {}, (x,), states)
+    assert res.max_abs_diff <= 1e-6
