@@ -138,3 +138,27 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
 
 if __name__ == "__main__":
     print(json.dumps(_worker(json.loads(sys.argv[1]))))
+
+
+def reference_step(model: str, *, overrides: dict[str, str] | None = None, optimizer: str = "adamw", seed: int = 0
+                   ) -> tuple[float, dict[str, list]]:
+    """The same first step as the worker, unsharded on the CPU in eager torch: (loss, first 64 values of
+    every updated parameter)."""
+    import torch
+
+    from partir_torch import workload
+
+    torch.manual_seed(seed)
+    net, inputs, loss_fn = workload.load(model, overrides, device="cpu")
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9, foreach=False)
+    else:
+        cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
+        opt = cls(net.parameters(), lr=1e-3, foreach=False)
+    loss = loss_fn(net, *inputs)
+    loss.backward()
+    if optimizer == "sgd":  # the worker starts from a zero momentum buffer, torch from the first gradient
+        for p in net.parameters():
+            opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    opt.step()
+    return float(loss), {n: p.detach().flatten()[:64].tolist() for n, p in net.named_parameters()}

@@ -58,3 +58,14 @@ def test_known_deviation_layernorm_all_gathers_the_batch():
     c = calibrate("tiny-gpt2", "batch=2,model=4", "batch:BatchParallel")
     assert c.as_cpu["all-reduce"] == pytest.approx(c.xla["all-reduce"], rel=0.01)
     assert "all-gather" not in c.as_cpu and c.xla.get("all-gather", 0) > 0
+
+
+def test_plans_rank_in_xla_order_of_communication_volume():
+    from partir_torch.backends.calibrate import calibrate
+
+    plans = ["batch:BatchParallel", "batch:BatchParallel;model:Megatron",
+             "batch:BatchParallel;model:Megatron;batch:ZeRO(1)", "batch:FSDP"]
+    cals = [calibrate("tiny-llama", "batch=2,model=4", p) for p in plans]
+    ours = [sum(c.predicted.values()) for c in cals]
+    xla = [sum(c.xla.values()) for c in cals]
+    assert sorted(range(4), key=ours.__getitem__) == sorted(range(4), key=xla.__getitem__), (ours, xla)
