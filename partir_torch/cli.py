@@ -112,6 +112,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from partir_torch.capture import capture
     from partir_torch.ir import Mesh
     from partir_torch.lower import summarize
+    from partir_torch.plan import specs
     from partir_torch.simulate import simulate
     from partir_torch.tactics import apply_schedule
 
@@ -146,7 +147,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "conflicts": [c.describe(program) for c in state.conflicts],
         "collectives": [c.to_json(state) for c in res.collectives],
         "comm_bytes": summarize(res.collectives), "executed": res.executed,
-        "params": {n: state.shard[v].to_spec() for n, v in program.params.items()},
+        "params": specs(state).params,
     }
     if args.json:
         json.dump(out, sys.stdout)

@@ -20,7 +20,7 @@ import torch
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Program, Ref
 from partir_torch.ir.sharding import Sharding
-from partir_torch.lower import Collective, lower, required_operand
+from partir_torch.lower import Collective, lower, required_operand, transitions
 from partir_torch.propagate import ShardingState
 
 # (aten target, argument index) whose value is the local shape of result 0
@@ -104,8 +104,6 @@ def simulate(
         src = layout[v]
         if src == dst:
             return env[v]
-        from partir_torch.lower import transitions
-
         val = program.values[v]
         for kind, _, _ in transitions(src, dst, val.shape, val.dtype.itemsize, state.mesh):
             executed[kind] = executed.get(kind, 0) + 1

@@ -18,6 +18,7 @@ from typing import Any
 from partir_torch.backends.xla import run_step
 from partir_torch.cost import evaluate, hardware
 from partir_torch.ir.mesh import Mesh
+from partir_torch.plan import specs
 
 
 @dataclass
@@ -56,11 +57,8 @@ def calibrate(model: str, mesh: str, schedule: str, *, overrides: dict[str, str]
     as_cpu: dict[str, int] = defaultdict(int)
     for k, b in predicted.items():
         as_cpu["all-reduce" if k == "reduce-scatter" else k] += b
-    specs = {n: state.shard[v].to_spec() for n, v in program.params.items()}
-    states = {n: {s: state.shard[v].to_spec() for s, v in st.items() if s not in program.shared_states}
-              for n, st in program.opt_states.items()}
-    ins = [state.shard[v].to_spec() for v in program.inputs]
-    step = run_step(model, m, specs, ins, states, overrides=overrides, optimizer=optimizer)
+    sp = specs(state)
+    step = run_step(model, m, sp.params, sp.inputs, sp.optimizer_state, overrides=overrides, optimizer=optimizer)
     xla: dict[str, int] = defaultdict(int)
     for c in step.collectives:
         xla[c.kind] += c.bytes

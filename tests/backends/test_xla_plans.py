@@ -9,6 +9,7 @@ import torch
 
 from partir_torch import capture, models
 from partir_torch.ir import Mesh
+from partir_torch.plan import specs
 from partir_torch.tactics import apply_schedule
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
@@ -25,11 +26,9 @@ def test_plan_through_torch_xla_matches_unsharded(model, schedule):
     net, inputs, loss_fn = models.build(model, device="meta")
     program = capture(net, inputs, loss_fn, "adamw")
     state = apply_schedule(program, mesh, schedule)
-    specs = {n: state.shard[v].to_spec() for n, v in program.params.items()}
-    states = {n: {s: state.shard[v].to_spec() for s, v in st.items() if s not in program.shared_states}
-              for n, st in program.opt_states.items()}
-    assert any(any(s) for s in specs.values())
-    xla = run_step(model, mesh, specs, [state.shard[v].to_spec() for v in program.inputs], states, return_params=True)
+    sp = specs(state)
+    assert any(any(s) for s in sp.params.values())
+    xla = run_step(model, mesh, sp.params, sp.inputs, sp.optimizer_state, return_params=True)
     loss, params = reference_step(model)
     assert xla.loss == pytest.approx(loss, abs=1e-5)
     for n, ref in params.items():
