@@ -176,6 +176,62 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_bytes(text: str) -> float:
+    import re
+
+    m = re.fullmatch(r"\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*", text)
+    if not m:
+        raise PartirError(f"cannot read memory size {text!r}; write e.g. 16GiB or 80GB")
+    mult = {"B": 1, None: 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6,
+            "GB": 1e9, "TB": 1e12}[m.group(2)]
+    return float(m.group(1)) * mult
+
+
+def parse_mesh(text: str):
+    """`batch=4:dcn,model=8`: an axis marked `:dcn` crosses slices / nodes (DCN, InfiniBand)."""
+    from partir_torch.ir import Mesh
+
+    dcn, parts = set(), []
+    for part in text.split(","):
+        name, _, flag = part.partition(":")
+        if flag:
+            if flag.strip().lower() not in ("dcn", "ib"):
+                raise PartirError(f"mesh axis flag {flag!r} in {part!r}; the only flag is :dcn (slow, cross-node axis)")
+            dcn.add(name.split("=")[0].strip())
+        parts.append(name)
+    return Mesh.parse(",".join(parts)), frozenset(dcn)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from partir_torch import workload
+    from partir_torch.capture import capture
+    from partir_torch.cost import evaluate, hardware
+    from partir_torch.plan import ShardingPlan
+    from partir_torch.tactics import apply_schedule
+
+    mesh, dcn = parse_mesh(args.mesh)
+    if "auto" in args.schedule.lower():
+        raise PartirError("the Auto tactic (MCTS search) is not built yet (issue [search]); give a manual schedule "
+                          "such as batch:BatchParallel;model:Megatron")
+    hw = hardware(args.hardware)
+    model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
+    program = capture(model, inputs, loss_fn, args.optimizer)
+    state = apply_schedule(program, mesh, args.schedule)
+    limit = _parse_bytes(args.memory) if args.memory else None
+    report = evaluate(state, hw, dcn_axes=dcn, memory_limit=limit)
+    plan = ShardingPlan.from_state(state, report, schedule=args.schedule, hardware=hw.name, dcn_axes=dcn)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(plan.to_json(), f, indent=1)
+    if args.json:
+        json.dump(plan.to_json(), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(plan.table())
+        print("at the memory peak: " + ", ".join(f"{n} ({r}) {b / 2**20:.1f} MiB" for n, r, b in report.top_at_peak[:5]))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="partir-torch", description="Automatic SPMD partitioning for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -205,6 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--json", action="store_true")
     sm.set_defaults(fn=cmd_simulate)
+
+    pl = sub.add_parser("plan", help="evaluate a schedule of tactics with the cost model and print the plan")
+    pl.add_argument("model")
+    pl.add_argument("--config", action="append", metavar="KEY=VALUE")
+    pl.add_argument("--mesh", required=True, help="e.g. batch=2,model=4; mark a cross-node axis batch=4:dcn")
+    pl.add_argument("--hardware", default="cpu-virtual")
+    pl.add_argument("--memory", help="per-device memory limit overriding the preset, e.g. 16GiB")
+    pl.add_argument("--schedule", default="batch:BatchParallel")
+    pl.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    pl.add_argument("--out", help="write the plan JSON here")
+    pl.add_argument("--json", action="store_true", help="print the plan JSON")
+    pl.set_defaults(fn=cmd_plan)
 
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=cmd_models)

@@ -1,11 +1,16 @@
-"""A plan's partition specs, in torch_xla's form: what a backend needs to apply a propagated sharding.
+"""Sharding plans: per-parameter / input / optimizer-state partition specs with their cost, as JSON.
 
-(The full `ShardingPlan` — cost report, search statistics, JSON round-trip, `explain` — grows here.)
+Specs are torch_xla's form: one entry per tensor dim, `None`, an axis name, or a list of axis names (major
+to minor). `ShardingPlan.to_json()` keeps at least `mesh.axes`, `params`, `inputs`, `optimizer_state`,
+`cost` (`step_time_s`, `peak_memory_bytes`, `comm_bytes` by collective kind) and, for searched plans,
+`search`; `ShardingPlan.from_json` reads it back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from typing import Any
 
 from partir_torch.propagate import ShardingState
 
@@ -27,3 +32,56 @@ def specs(state: ShardingState) -> PlanSpecs:
         {n: {s: state.shard[v].to_spec() for s, v in st.items() if s not in p.shared_states}
          for n, st in p.opt_states.items()},
     )
+
+
+@dataclass
+class ShardingPlan:
+    mesh: dict[str, int]
+    params: dict[str, Spec]
+    inputs: list[Spec]
+    optimizer_state: dict[str, dict[str, Spec]]
+    cost: dict[str, Any]
+    schedule: str | None = None
+    hardware: str | None = None
+    dcn_axes: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+    search: dict[str, Any] | None = None
+
+    @classmethod
+    def from_state(cls, state: ShardingState, cost, *, schedule: str | None = None, hardware: str | None = None,
+                   dcn_axes=(), search: dict[str, Any] | None = None) -> ShardingPlan:
+        sp = specs(state)
+        return cls(dict(state.mesh.axes), sp.params, sp.inputs, sp.optimizer_state, cost.to_json(), schedule,
+                   hardware, sorted(dcn_axes), [c.describe(state.program) for c in state.conflicts], search)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"mesh": {"axes": self.mesh, "dcn": self.dcn_axes}, "schedule": self.schedule, "hardware": self.hardware,
+               "params": self.params, "inputs": self.inputs, "optimizer_state": self.optimizer_state,
+               "cost": self.cost, "conflicts": self.conflicts}
+        if self.search is not None:
+            out["search"] = self.search
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any] | str) -> ShardingPlan:
+        d = json.loads(d) if isinstance(d, str) else d
+        return cls(dict(d["mesh"]["axes"]), d["params"], d["inputs"], d["optimizer_state"], d["cost"],
+                   d.get("schedule"), d.get("hardware"), list(d["mesh"].get("dcn", [])), d.get("conflicts", []),
+                   d.get("search"))
+
+    def table(self, top: int = 20) -> str:
+        """Sharded parameters, one line each, then the cost: readable in a terminal."""
+        rows = [(n, s) for n, s in self.params.items() if any(x is not None for x in s)]
+        w = max((len(n) for n, _ in rows[:top]), default=10)
+        lines = [f"mesh {self.mesh}" + (f" (dcn: {', '.join(self.dcn_axes)})" if self.dcn_axes else "")
+                 + (f", schedule {self.schedule}" if self.schedule else "") + (f", hardware {self.hardware}" if self.hardware else ""),
+                 f"{len(rows)} of {len(self.params)} parameters sharded:"]
+        lines += [f"  {n:<{w}}  {s}" for n, s in rows[:top]]
+        if len(rows) > top:
+            lines.append(f"  … {len(rows) - top} more")
+        c = self.cost
+        lines.append(f"step {c['step_time_s'] * 1e3:.2f} ms (compute {c['compute_time_s'] * 1e3:.2f}, communication "
+                     f"{c['comm_time_s'] * 1e3:.2f}); peak memory {c['peak_memory_bytes'] / 2**30:.2f} GiB "
+                     f"({'fits' if c['feasible'] else 'DOES NOT FIT'} in {c['memory_limit'] / 2**30:.1f} GiB)")
+        lines.append("communication per device: " + (", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in c["comm_bytes"].items()) or "none"))
+        return "\n".join(lines)
