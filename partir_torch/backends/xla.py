@@ -161,4 +161,4 @@ def reference_step(model: str, *, overrides: dict[str, str] | None = None, optim
         for p in net.parameters():
             opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
     opt.step()
-    return float(loss), {n: p.detach().flatten()[:64].tolist() for n, p in net.named_parameters()}
+    return float(loss.detach()), {n: p.detach().flatten()[:64].tolist() for n, p in net.named_parameters()}
