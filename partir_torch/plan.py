@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from partir_torch.capture.fold import full_names
 from partir_torch.propagate import ShardingState
 
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
@@ -25,12 +26,18 @@ class PlanSpecs:
 
 
 def specs(state: ShardingState) -> PlanSpecs:
+    """Specs of the full model: for a folded program, element 1's specs stand for elements 1..N-1."""
     p = state.program
+    fold = p.fold
+
+    def expand(d: dict[str, Any]) -> dict[str, Any]:
+        return {full: spec for n, spec in d.items() for full in full_names(n, fold)} if fold else d
+
     return PlanSpecs(
-        {n: state.shard[v].to_spec() for n, v in p.params.items()},
+        expand({n: state.shard[v].to_spec() for n, v in p.params.items()}),
         [state.shard[v].to_spec() for v in p.inputs],
-        {n: {s: state.shard[v].to_spec() for s, v in st.items() if s not in p.shared_states}
-         for n, st in p.opt_states.items()},
+        expand({n: {s: state.shard[v].to_spec() for s, v in st.items() if s not in p.shared_states}
+                for n, st in p.opt_states.items()}),
     )
 
 

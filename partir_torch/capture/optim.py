@@ -143,7 +143,7 @@ def _check_options(kind: str, cls: str, group: Mapping[str, Any], index: int) ->
 
 
 def optimizer_spec(
-    optimizer: torch.optim.Optimizer | str | None, named_params: Mapping[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer | str | None, named_params: Mapping[str, torch.Tensor], *, strict: bool = True
 ) -> OptimizerSpec | None:
     """Read the update rule and hyperparameters from a `torch.optim` instance, or take defaults by name.
 
@@ -173,6 +173,8 @@ def optimizer_spec(
         hp = _check_options(kind, cls, group, i)
         for p in group["params"]:
             name = by_id.get(id(p))
+            if name is None and not strict:  # a folded model holds only some of the optimizer's parameters
+                continue
             if name is None:
                 raise UnsupportedOptimizerError(
                     f"{cls} param group {i} holds a tensor of shape {list(p.shape)} that is not a parameter of the "

@@ -12,6 +12,7 @@ node produced them (the autograd sequence number, as aot_autograd does).
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import time
@@ -27,12 +28,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+from partir_torch.capture.fold import folded
 from partir_torch.capture.groups import parameter_groups
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
 from partir_torch.errors import CaptureError, InputShapeError
 from partir_torch.ir.program import Group, Op, Phase, Program, Ref, Role, Value
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+log = logging.getLogger(__name__)
 _OUR_DIR = os.path.dirname(os.path.dirname(__file__))
 
 
@@ -43,12 +46,28 @@ def capture(
     optimizer: torch.optim.Optimizer | str | None = "adamw",
     *,
     mode: str | None = None,
+    fold: bool = False,
+    _strict: bool = True,
 ) -> Program:
     """Capture `loss_fn(model, *example_inputs)`, its backward and the optimizer update as a `Program`.
 
     `mode` is "train" (default when `loss_fn` is given) or "inference" (the forward pass `model(*inputs)`
     only). The model and optimizer are only read: on success and on failure they are left as they were.
+    `fold=True` captures two of every N identical container elements and records N in `program.fold`
+    (see `capture/fold.py`): what the search uses on deep models. If the folded model cannot be captured
+    (e.g. its forward indexes a block by number), the full model is captured, with a warning.
     """
+    if fold:
+        view, repeats = folded(model)
+        if repeats:
+            try:
+                program = capture(view, example_inputs, loss_fn, optimizer, mode=mode, _strict=False)
+            except CaptureError as e:
+                log.warning("could not capture the folded model (%s); capturing all %s layers", e,
+                            ", ".join(f"{n} of {p}" for p, n in repeats.items()))
+            else:
+                program.fold = repeats
+                return program
     t0 = time.perf_counter()
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     if not isinstance(model, nn.Module):
@@ -68,7 +87,7 @@ def capture(
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     trainable = [n for n, p in params.items() if p.requires_grad] if mode == "train" else []
-    spec = optimizer_spec(optimizer, params) if mode == "train" else None
+    spec = optimizer_spec(optimizer, params, strict=_strict) if mode == "train" else None
     updated = [n for n in trainable if spec is not None and n in spec.hparams]
     states = {n: spec.state_names(n) for n in updated} if spec else {}
     shared = spec.shared_states if spec and updated else ()

@@ -11,6 +11,8 @@ that axis (fast link, or DCN/InfiniBand for axes marked as crossing slices/nodes
     all-gather      (n-1)/n · B/bw + (n-1)α     (B: the gathered size)
     reduce-scatter  (n-1)/n · B/bw + (n-1)α     (B: the size before the scatter)
     all-to-all      (n-1)/n · B/bw + (n-1)α
+A folded program (`capture/fold.py`) is costed as the full model: each op, collective and value counts with
+its fold weight (element 1 of a folded container stands for elements 1..N-1).
 Step time = compute + communication (no overlap is modelled: an upper bound; see docs/cost-model.md).
 Memory, per device, by liveness over the op order: parameters, buffers, optimizer states and inputs live
 the whole step; updated values reuse their input's buffer (donation); gradients and activations live from
@@ -25,8 +27,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from partir_torch.capture.fold import weights
 from partir_torch.cost.hardware import Hardware
-from partir_torch.ir.program import Role
+from partir_torch.ir.program import Phase, Role
 from partir_torch.lower import Collective, lower, required_operand
 from partir_torch.propagate import ShardingState
 
@@ -117,6 +120,7 @@ def evaluate(state: ShardingState, hw: Hardware, *, dcn_axes: frozenset[str] = f
              memory_limit: float | None = None) -> CostReport:
     program, mesh = state.program, state.mesh
     vals = program.values
+    op_w, own_w = weights(program)
     local_bytes = [math.prod(state.shard[v.id].local_shape(v.shape, mesh)) * v.dtype.itemsize for v in vals]
 
     # compute
@@ -129,8 +133,9 @@ def evaluate(state: ShardingState, hw: Hardware, *, dcn_axes: frozenset[str] = f
         nbytes = sum(math.prod(s) * vals[t.value].dtype.itemsize for s, t in zip(ins, rule.operands))
         nbytes += sum(math.prod(s) * vals[t.value].dtype.itemsize for s, t in zip(outs, rule.results))
         itemsize = vals[rule.results[0].value].dtype.itemsize if rule.results else 4
-        compute += max(flops / (hw.peak(itemsize) * hw.matmul_efficiency), nbytes / hw.hbm_bandwidth) + hw.launch_floor
-        flops_total += flops
+        w = op_w[op.id]
+        compute += w * (max(flops / (hw.peak(itemsize) * hw.matmul_efficiency), nbytes / hw.hbm_bandwidth) + hw.launch_floor)
+        flops_total += w * flops
 
     # communication
     colls = lower(state)
@@ -141,9 +146,14 @@ def evaluate(state: ShardingState, hw: Hardware, *, dcn_axes: frozenset[str] = f
         dcn = c.axis in dcn_axes
         t = collective_time(c, mesh.size(c.axis), hw.dcn_bandwidth if dcn else hw.link_bandwidth,
                             hw.dcn_latency if dcn else hw.link_latency)
-        by_axis[c.axis] = by_axis.get(c.axis, 0.0) + t
+        prod = vals[c.value].producer
+        if c.op >= 0 and (prod < 0 or program.ops[c.op].phase is not Phase.BACKWARD):
+            w = op_w[c.op]  # forward: the boundary into element 1 stands for N - 1 boundaries
+        else:  # backward runs the other way: the boundary out of element 1 does
+            w = op_w[prod] if prod >= 0 else own_w[c.value]
+        by_axis[c.axis] = by_axis.get(c.axis, 0.0) + w * t
         comm_bytes.setdefault(c.kind, {}).setdefault(c.axis, 0)
-        comm_bytes[c.kind][c.axis] += c.bytes
+        comm_bytes[c.kind][c.axis] += w * c.bytes
         if c.kind == "all-gather" and c.op >= 0:
             temps[c.op] = temps.get(c.op, 0) + c.bytes
 
@@ -160,21 +170,45 @@ def evaluate(state: ShardingState, hw: Hardware, *, dcn_axes: frozenset[str] = f
         for i in op.inputs:
             r = root[i]
             last[r] = max(last[r], op.id)
+    # fold weights in memory: persistent values and gradients, and activations alive beyond their phase
+    mem_w = [1] * len(vals)
+    for v in vals:
+        if root[v.id] != v.id:
+            continue
+        outlives = v.producer >= 0 and last[v.id] >= 0 and program.ops[last[v.id]].phase is not program.ops[v.producer].phase
+        if v.producer < 0 or v.role is Role.GRADIENT or outlives:
+            mem_w[v.id] = own_w[v.id]
     outputs = {root[o] for o in program.outputs}
     persistent = {v.id for v in vals if v.producer < 0}
     donated = {root[n] for n in program.updates}
+    # A folded element-1 value that outlives its phase stands for N - 1 copies, but they are not all live at
+    # once inside element 1's own span: forward copies (earlier layers' saved activations) exist from the
+    # start of element 1's forward; backward copies (later-processed layers' gradients) from its end.
+    span: dict[tuple[Phase, int], list[int]] = {}
+    for op in program.ops:
+        if op_w[op.id] > 1:
+            sp = span.setdefault((op.phase, op_w[op.id]), [op.id, op.id])
+            sp[1] = op.id
+    extra_from = [0] * len(vals)
     delta = [0] * (n_ops + 1)
     base = 0
     for v in vals:
         if root[v.id] != v.id or v.id in donated:
             continue
-        b = local_bytes[v.id]
         if v.id in persistent:
-            base += b
+            base += local_bytes[v.id] * mem_w[v.id]
             continue
         end = n_ops if v.id in outputs else max(last[v.id], v.producer)
-        delta[v.producer] += b
-        delta[end + 1 if end < n_ops else n_ops] -= b
+        stop = end + 1 if end < n_ops else n_ops
+        delta[v.producer] += local_bytes[v.id]
+        delta[stop] -= local_bytes[v.id]
+        if mem_w[v.id] > 1:
+            phase = program.ops[v.producer].phase
+            sp = span.get((phase, own_w[v.id]), [v.producer, v.producer])
+            start = sp[0] if phase is Phase.FORWARD else min(sp[1] + 1, stop)
+            extra_from[v.id] = start
+            delta[start] += local_bytes[v.id] * (mem_w[v.id] - 1)
+            delta[stop] -= local_bytes[v.id] * (mem_w[v.id] - 1)
     live, peak, peak_at = base, base, -1
     for i in range(n_ops):
         live += delta[i]
@@ -193,9 +227,10 @@ def evaluate(state: ShardingState, hw: Hardware, *, dcn_axes: frozenset[str] = f
             end = n_ops if v.id in outputs else max(last[v.id], v.producer)
             alive = v.producer <= peak_at <= end
         if alive and local_bytes[v.id]:
-            role = v.role.value
-            roles[role] = roles.get(role, 0) + local_bytes[v.id]
-            contributors.append((v.name, role, local_bytes[v.id]))
+            copies = mem_w[v.id] if v.id in persistent or extra_from[v.id] <= peak_at else 1
+            role, b = v.role.value, local_bytes[v.id] * copies
+            roles[role] = roles.get(role, 0) + b
+            contributors.append((v.name + (f" (x{copies})" if copies > 1 else ""), role, b))
     if temps.get(peak_at):
         roles["collective_buffers"] = temps[peak_at]
     contributors.sort(key=lambda t: -t[2])
@@ -205,7 +240,7 @@ def evaluate(state: ShardingState, hw: Hardware, *, dcn_axes: frozenset[str] = f
         step_time_s=compute + comm, compute_time_s=compute, comm_time_s=comm, comm_time_by_axis=by_axis,
         comm_bytes=comm_bytes, flops_per_device=flops_total, peak_memory_bytes=int(peak), memory_by_role=roles,
         top_at_peak=contributors[:10],
-        param_bytes_per_device=sum(local_bytes[v] for v in program.params.values()),
-        opt_state_bytes_per_device=sum(local_bytes[v.id] for v in vals if v.role is Role.OPT_STATE),
+        param_bytes_per_device=sum(local_bytes[v] * mem_w[v] for v in program.params.values()),
+        opt_state_bytes_per_device=sum(local_bytes[v.id] * mem_w[v.id] for v in vals if v.role is Role.OPT_STATE),
         memory_limit=hw.memory if memory_limit is None else memory_limit, collectives=colls,
     )

@@ -132,6 +132,7 @@ class Program:
     constants: dict[str, int] = field(default_factory=dict)  # tensor constants of the graph, by attribute
     n_graph_outputs: int = 0  # outputs beyond these are functionalized buffer mutations
     capture_time_s: float = 0.0
+    fold: dict[str, int] = field(default_factory=dict)  # folded container path -> its full length (capture/fold.py)
     graph_module: Any = field(default=None, repr=False)
     _users: list[tuple[int, ...]] | None = field(default=None, repr=False)
     _by_name: dict[str, int] | None = field(default=None, repr=False)
