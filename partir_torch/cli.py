@@ -207,19 +207,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.plan import ShardingPlan
-    from partir_torch.tactics import apply_schedule
+    from partir_torch.search import Budget, SearchConfig
+    from partir_torch.search.api import InfeasibleError, infeasible_message, summarize_log
+    from partir_torch.tactics import apply_schedule, parse_schedule
 
     mesh, dcn = parse_mesh(args.mesh)
-    if "auto" in args.schedule.lower():
-        raise PartirError("the Auto tactic (MCTS search) is not built yet (issue [search]); give a manual schedule "
-                          "such as batch:BatchParallel;model:Megatron")
     hw = hardware(args.hardware)
-    model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
-    program = capture(model, inputs, loss_fn, args.optimizer)
-    state = apply_schedule(program, mesh, args.schedule)
+    tactics = parse_schedule(args.schedule, mesh)  # a bad schedule is reported before the capture
     limit = _parse_bytes(args.memory) if args.memory else None
+    config = SearchConfig(hw, dcn, limit, args.seed, Budget.parse(args.budget), args.algorithm,
+                          progress=not args.json and sys.stderr.isatty())
+    model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
+    program = capture(model, inputs, loss_fn, args.optimizer, fold=not args.no_fold)
+    state = apply_schedule(program, mesh, tactics, search=config)
     report = evaluate(state, hw, dcn_axes=dcn, memory_limit=limit)
-    plan = ShardingPlan.from_state(state, report, schedule=args.schedule, hardware=hw.name, dcn_axes=dcn)
+    plan = ShardingPlan.from_state(state, report, schedule=args.schedule, hardware=hw.name, dcn_axes=dcn,
+                                   search=summarize_log(config.log))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(plan.to_json(), f, indent=1)
@@ -229,6 +232,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(plan.table())
         print("at the memory peak: " + ", ".join(f"{n} ({r}) {b / 2**20:.1f} MiB" for n, r, b in report.top_at_peak[:5]))
+        if plan.search:
+            s = plan.search
+            print(f"search: {s['algorithm']}, {s['episodes']} episodes, {s['evaluations']} evaluations in "
+                  f"{s['time_s']:.1f} s ({s['evaluations_per_s']:.0f}/s; propagation {s['propagation_time_s']:.1f} s, "
+                  f"cost {s['cost_time_s']:.1f} s)")
+            for e in s["per_axis"]:
+                print(f"  {','.join(e['axes'])} ({e['goal']}): " + ("; ".join(e["actions"]) or "nothing"))
+    if config.log and not report.feasible:
+        raise InfeasibleError(infeasible_message(plan, mesh))
     return 0
 
 
@@ -262,13 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--json", action="store_true")
     sm.set_defaults(fn=cmd_simulate)
 
-    pl = sub.add_parser("plan", help="evaluate a schedule of tactics with the cost model and print the plan")
+    pl = sub.add_parser("plan", help="search a sharding plan (or evaluate a manual schedule) and print it")
     pl.add_argument("model")
     pl.add_argument("--config", action="append", metavar="KEY=VALUE")
     pl.add_argument("--mesh", required=True, help="e.g. batch=2,model=4; mark a cross-node axis batch=4:dcn")
     pl.add_argument("--hardware", default="cpu-virtual")
     pl.add_argument("--memory", help="per-device memory limit overriding the preset, e.g. 16GiB")
-    pl.add_argument("--schedule", default="batch:BatchParallel")
+    pl.add_argument("--schedule", default="*:Auto",
+                    help='tactics per axis, e.g. "batch:BatchParallel;model:Auto" (default: search every axis); '
+                         'Auto(goal) with goal time|communication|zero')
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--budget", default="20s", help="search budget: seconds (30s, 2m) or episodes (500)")
+    pl.add_argument("--algorithm", default="mcts", choices=["mcts", "random", "greedy", "beam", "exhaustive"])
+    pl.add_argument("--no-fold", action="store_true", help="capture every repeated layer (slower; same costs)")
     pl.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
     pl.add_argument("--out", help="write the plan JSON here")
     pl.add_argument("--json", action="store_true", help="print the plan JSON")

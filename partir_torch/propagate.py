@@ -107,6 +107,15 @@ class ShardingState:
             program._layouts = layouts  # type: ignore[attr-defined]
         self._layouts = layouts
 
+    def copy(self) -> ShardingState:
+        """An independent state sharing the program and its caches (the search branches from it)."""
+        new = object.__new__(ShardingState)
+        new.__dict__.update(self.__dict__)
+        new.shard, new.locked, new.passthrough = list(self.shard), list(self.locked), list(self.passthrough)
+        new.assign = list(self.assign)
+        new.conflicts, new.actions, new.changed = list(self.conflicts), list(self.actions), set(self.changed)
+        return new
+
     # -- actions --------------------------------------------------------------------------------------
     def resolve(self, target: str) -> list[int]:
         """A value name, or a group template (`h.*.attn.c_attn.weight`, `opt.exp_avg[h.*.mlp.c_fc.weight]`)."""
@@ -261,7 +270,7 @@ class ShardingState:
                     self._conflict(o, axis, f"factor {rule.letters[f]!r} of {values[v].name} "
                                    f"{list(values[v].shape)} does not divide by {k}", (v,))
                     return []
-            self.assign[o][f] = (*self.assign[o].get(f, ()), axis)
+            self.assign[o] = {**self.assign[o], f: (*self.assign[o].get(f, ()), axis)}  # copy on write (copy())
         changed: list[int] = [v for v, d in carriers.get(f, ()) if self._tile(v, d, axis)]
         for t, red in zip(rule.results, rule.reduced):
             if f in red and f not in t.dims:

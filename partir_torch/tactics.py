@@ -201,6 +201,20 @@ def parse_schedule(text: str, mesh: Mesh) -> list[Tactic]:
     """`"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` -> tactics; axes are checked against the mesh."""
     out: list[Tactic] = []
     for part in filter(None, (s.strip() for s in text.split(";"))):
+        auto = re.fullmatch(r"([\w,+*]+)\s*:\s*auto\s*(?:\(\s*(\w+)?\s*(?:,\s*(\w+)\s*)?\))?", part, re.I)
+        if auto:
+            from partir_torch.search.api import Auto
+
+            names = [a for a in re.split(r"[,+]", auto.group(1)) if a]
+            if names != ["*"]:
+                for a in names:
+                    if a not in mesh.names:
+                        raise ScheduleError(f"schedule entry {part!r} names axis {a!r}; the mesh has axes {list(mesh.names)}")
+            try:
+                out.append(Auto(None if names == ["*"] else tuple(names), auto.group(2) or "time", auto.group(3) or "incremental"))
+            except PartirError as e:
+                raise ScheduleError(f"{part!r}: {e}") from None
+            continue
         m = re.fullmatch(r"(\w+)\s*:\s*(\w+?)(\d)?\s*(?:\((?:stage\s*=\s*)?(\d)\))?", part)
         if not m:
             raise ScheduleError(f"cannot parse schedule entry {part!r}; write axis:Tactic, e.g. batch:BatchParallel")
@@ -210,7 +224,8 @@ def parse_schedule(text: str, mesh: Mesh) -> list[Tactic]:
         cls = _BY_NAME.get(name.lower())
         if cls is None:
             raise ScheduleError(
-                f"unknown tactic {name!r} in {part!r}; known: BatchParallel (DP), Megatron, ZeRO(1|2|3), FSDP"
+                f"unknown tactic {name!r} in {part!r}; known: BatchParallel (DP), Megatron, ZeRO(1|2|3), FSDP, "
+                "Auto(goal) with goal time|communication|zero"
             )
         stage = digit or arg
         out.append(cls(axis, int(stage)) if cls is ZeRO and stage else cls(axis))
@@ -219,16 +234,22 @@ def parse_schedule(text: str, mesh: Mesh) -> list[Tactic]:
     return out
 
 
-def apply_schedule(program: Program, mesh: Mesh, schedule: str | list[Tactic], *, fallback: bool = False) -> ShardingState:
+def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallback: bool = False,
+                   search=None) -> ShardingState:
     """Apply a schedule to a fresh state. Ops without rules are decomposed first (`state.program` may then
-    be a re-traced program)."""
+    be a re-traced program). `search` (a `SearchConfig`) sets the cost model and budget of `Auto` tactics.
+    An axis may be claimed by several tactics (DP then ZeRO on `batch`); each builds on the earlier ones."""
     from partir_torch.rules.decompose import prepare
+    from partir_torch.search.api import Auto
 
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else schedule
     state = ShardingState(prepare(program, fallback=fallback), mesh, fallback=fallback)
     for t in tactics:
         try:
-            t.apply(state)
+            if isinstance(t, Auto):
+                t.apply(state, search)
+            else:
+                t.apply(state)
         except IllegalActionError as e:
             raise ScheduleError(f"{type(t).__name__} on {getattr(t, 'axis', '?')!r}: {e}") from e
     return state

@@ -43,7 +43,9 @@ def test_plan_cli_json_and_memory_override(capsys):
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["plan", "tiny-mlp", "--mesh", "batch=8", "--schedule", "batch:Auto"], "Auto tactic"),
+        (["plan", "tiny-mlp", "--mesh", "batch=8", "--schedule", "batch:Auto(speed)"], "goals: time, communication"),
+        (["plan", "tiny-mlp", "--mesh", "batch=8", "--schedule", "model:Auto"], "names axis 'model'"),
+        (["plan", "tiny-mlp", "--mesh", "batch=8", "--budget", "soon"], "30s"),
         (["plan", "tiny-mlp", "--mesh", "batch=8", "--hardware", "tpu-v9"], "presets: tpu-v4"),
         (["plan", "tiny-mlp", "--mesh", "batch=8", "--memory", "lots"], "16GiB"),
         (["plan", "tiny-mlp", "--mesh", "batch=8:fast"], ":dcn"),

@@ -1,0 +1,164 @@
+"""`Auto`, the search tactic, and `search()`, the one-call entry point that returns a `ShardingPlan`.
+
+`Auto(axes, goal)` sits in a schedule beside the manual tactics: `"batch:BatchParallel;model:Auto"` searches
+the model axis starting from the batch-parallel state; `"*:Auto"` (or `Auto(("batch", "model"))`) searches
+every axis the earlier tactics left free. Several axes are searched one after the other, each with its
+share of the budget, from the state the previous one left ("incremental", the method's default), or all in
+one tree ("joint"); `benchmarks/search.py` measures both. No name is read anywhere: the action space comes
+from roles and groups (`space.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from partir_torch.cost.hardware import Hardware
+from partir_torch.cost.hardware import hardware as get_hardware
+from partir_torch.errors import PartirError
+from partir_torch.propagate import ShardingState
+from partir_torch.search.baselines import ALGORITHMS
+from partir_torch.search.goals import KINDS, Evaluator, check_goal
+from partir_torch.search.mcts import MCTS, Budget, Result
+
+log = logging.getLogger(__name__)
+
+
+class InfeasibleError(PartirError):
+    """No plan found fits in memory; the message reports the best one and what would help."""
+
+
+@dataclass
+class SearchConfig:
+    """What `Auto` needs beyond its axes: the cost model's setting, the budget, the algorithm."""
+
+    hw: Hardware = field(default_factory=lambda: get_hardware("cpu-virtual"))
+    dcn_axes: frozenset[str] = frozenset()
+    memory_limit: float | None = None
+    seed: int = 0
+    budget: Budget = field(default_factory=Budget)
+    algorithm: str = "mcts"
+    progress: bool = False
+    log: list[dict[str, Any]] = field(default_factory=list)  # one entry per searched Auto (stats, actions)
+
+
+@dataclass(frozen=True)
+class Auto:
+    """Search the sharding of `axes` (None: every axis not used by an earlier tactic)."""
+
+    axes: tuple[str, ...] | None = None
+    goal: str = "time"
+    mode: str = "incremental"  # or "joint"
+
+    def __post_init__(self) -> None:
+        check_goal(self.goal)
+        if self.mode not in ("incremental", "joint"):
+            raise PartirError(f"Auto mode must be 'incremental' or 'joint', got {self.mode!r}")
+
+    @property
+    def axis(self) -> str:  # for error messages shared with the manual tactics
+        return ",".join(self.axes or ("*",))
+
+    def free_axes(self, state: ShardingState) -> tuple[str, ...]:
+        if self.axes is not None:
+            for a in self.axes:
+                state.mesh.size(a)
+            return self.axes
+        used = {a for sh in state.shard for a in sh.axes}
+        return tuple(a for a in state.mesh.names if a not in used)
+
+    def apply(self, state: ShardingState, config: SearchConfig | None = None) -> None:
+        config = config or SearchConfig()
+        axes = self.free_axes(state)
+        if not axes:
+            return
+        groups = [axes] if self.mode == "joint" else [(a,) for a in axes]
+        budget = config.budget.split(len(groups))
+        limit = config.hw.memory if config.memory_limit is None else config.memory_limit
+        for i, ax in enumerate(groups):
+            # axis by axis, the axes still to come will divide memory further: an earlier axis need only fit
+            # within the limit times their sizes (else it would spend itself on memory the next axis saves)
+            later = math.prod(state.mesh.size(a) for g in groups[i + 1:] for a in g)
+            cfg = replace(config, memory_limit=limit * later)
+            res = run_search(state, ax, self.goal, cfg, budget, seed=config.seed + i)
+            config.log.append({"axes": list(ax), "goal": self.goal, "algorithm": config.algorithm,
+                               "actions": [str(a) for a in res.actions], **res.stats.to_json()})
+            best = res.state.copy()
+            state.__dict__.update(best.__dict__)  # the schedule's state continues from the best plan
+
+
+def run_search(state: ShardingState, axes: tuple[str, ...], goal: str, config: SearchConfig, budget: Budget,
+               *, seed: int = 0) -> Result:
+    ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, goal)
+    kinds = KINDS[goal]
+    if config.algorithm == "mcts":
+        return MCTS(state, ev, axes, kinds, seed=seed, progress=config.progress).run(budget)
+    fn = ALGORITHMS.get(config.algorithm)
+    if fn is None:
+        raise PartirError(f"unknown search algorithm {config.algorithm!r}; known: mcts, {', '.join(ALGORITHMS)}")
+    return fn(state, ev, axes, kinds, budget, seed=seed)
+
+
+def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", schedule=None,
+           hardware: str | Hardware = "cpu-virtual", memory: float | None = None, dcn_axes=(), seed: int = 0,
+           budget: str | int | Budget | None = None, goal: str = "time", algorithm: str = "mcts",
+           fold: bool = True, progress: bool = False, require_fit: bool = True):
+    """Find a sharding plan for one training step of `model` on `mesh` (`{"batch": 2, "model": 4}`,
+    `"batch=2,model=4"` or a `Mesh`) and return it as a `ShardingPlan` (specs, cost report, statistics).
+
+    `schedule` defaults to `Auto` on every axis; a text such as `"batch:BatchParallel;model:Auto"` mixes
+    manual tactics and search. `memory` (bytes) overrides the preset's device memory. With `require_fit`
+    an `InfeasibleError` reports the best plan when none fits.
+    """
+    from partir_torch.capture import capture
+    from partir_torch.ir.mesh import Mesh
+    from partir_torch.plan import ShardingPlan
+    from partir_torch.tactics import apply_schedule, parse_schedule
+
+    if isinstance(mesh, dict):
+        mesh = Mesh.of(mesh)
+    elif isinstance(mesh, str):
+        mesh = Mesh.parse(mesh)
+    hw = get_hardware(hardware)
+    tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else list(schedule or [Auto(goal=goal)])
+    config = SearchConfig(hw, frozenset(dcn_axes), memory, seed, Budget.parse(budget), algorithm, progress)
+    program = capture(model, example_inputs, loss_fn, optimizer, fold=fold)
+    state = apply_schedule(program, mesh, tactics, search=config)
+    from partir_torch.cost.model import evaluate
+
+    report = evaluate(state, hw, dcn_axes=config.dcn_axes, memory_limit=memory)
+    stats = summarize_log(config.log)
+    text = schedule if isinstance(schedule, str) else ";".join(_tactic_text(t) for t in tactics)
+    plan = ShardingPlan.from_state(state, report, schedule=text, hardware=hw.name, dcn_axes=config.dcn_axes,
+                                   search=stats)
+    if require_fit and not report.feasible:
+        raise InfeasibleError(infeasible_message(plan, mesh))
+    return plan
+
+
+def summarize_log(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not entries:
+        return None
+    keys = ("episodes", "states", "evaluations", "time_s", "propagation_time_s", "cost_time_s")
+    out: dict[str, Any] = {k: sum(e[k] for e in entries) for k in keys}
+    out["evaluations_per_s"] = out["evaluations"] / out["time_s"] if out["time_s"] else 0.0
+    out["algorithm"] = entries[0]["algorithm"]
+    out["per_axis"] = entries
+    return out
+
+
+def infeasible_message(plan, mesh) -> str:
+    c = plan.cost
+    gib = 2**30
+    return (f"no plan found fits in memory: the best one needs {c['peak_memory_bytes'] / gib:.2f} GiB per device, "
+            f"the limit is {c['memory_limit'] / gib:.2f} GiB (mesh {mesh}; best plan: {plan.search and [e['actions'] for e in plan.search['per_axis']]}). "
+            "To fit: use more devices or a bigger mesh axis, add an axis to shard the model over, lower the batch "
+            "size, or raise the budget (--budget) so the search explores further.")
+
+
+def _tactic_text(t) -> str:
+    if isinstance(t, Auto):
+        return f"{','.join(t.axes) if t.axes else '*'}:Auto({t.goal})"
+    return f"{getattr(t, 'axis', '?')}:{type(t).__name__}" + (f"({t.stage})" if hasattr(t, "stage") else "")

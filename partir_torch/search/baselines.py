@@ -1,0 +1,134 @@
+"""Baselines for the MCTS, in the same harness (same action space, evaluator, budget and Result):
+
+    random      sample action sequences of random length (1..max_depth), keep the best
+    greedy      from the start, apply the single best action; repeat while that improves the plan
+    beam        breadth-first over action sets, keeping the `width` best states per depth
+    exhaustive  every set of up to `max_depth` actions (small programs only): the optimum of the space,
+                to measure the optimality gap of the others
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from partir_torch.propagate import ShardingState
+from partir_torch.search.goals import Evaluator
+from partir_torch.search.mcts import Budget, Result, Stats
+from partir_torch.search.space import Action, apply_action, candidates
+
+
+class _Run:
+    def __init__(self, root: ShardingState, ev: Evaluator, budget: Budget) -> None:
+        self.ev, self.budget, self.t0 = ev, budget, time.perf_counter()
+        self.stats, self.ev0, self.ct0 = Stats(), ev.evaluations, ev.cost_time_s
+        k, _ = ev.score(root, frozenset())
+        self.best: tuple[tuple, ShardingState, list[Action]] = (k, root, [])
+
+    def spent(self) -> bool:
+        b = self.budget
+        return ((b.episodes is not None and self.stats.episodes >= b.episodes)
+                or (b.seconds is not None and time.perf_counter() - self.t0 >= b.seconds))
+
+    def step(self, state: ShardingState, acts: list[Action], a: Action) -> tuple[tuple, ShardingState] | None:
+        t = time.perf_counter()
+        s = state.copy()
+        ok = apply_action(s, a)
+        self.stats.propagation_time_s += time.perf_counter() - t
+        if not ok:
+            return None
+        k, _ = self.ev.score(s, frozenset([*acts, a]))
+        self.stats.episodes += 1
+        self.stats.nodes += 1
+        if k < self.best[0]:
+            self.best = (k, s, [*acts, a])
+            self.stats.best_at_episode = self.stats.episodes
+        return k, s
+
+    def result(self) -> Result:
+        self.stats.time_s = time.perf_counter() - self.t0
+        self.stats.evaluations = self.ev.evaluations - self.ev0
+        self.stats.cost_time_s = self.ev.cost_time_s - self.ct0
+        k, s, acts = self.best
+        return Result(s, acts, k, self.stats)
+
+
+def random_search(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, *, seed: int = 0,
+                  max_depth: int = 6) -> Result:
+    rng, run = random.Random(seed), _Run(root, ev, budget)
+    while not run.spent():
+        s, acts = root, []
+        for _ in range(rng.randint(1, max_depth)):
+            cands = candidates(s, axes, kinds)
+            if not cands or run.spent():
+                break
+            a = cands[rng.randrange(len(cands))]
+            got = run.step(s, acts, a)
+            if got is not None:
+                s, acts = got[1], [*acts, a]
+        if not candidates(root, axes, kinds):
+            break
+    return run.result()
+
+
+def greedy(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, **_) -> Result:
+    run = _Run(root, ev, budget)
+    s, acts, cur = root, [], run.best[0]
+    while not run.spent():
+        best = None
+        for a in candidates(s, axes, kinds):
+            if run.spent():
+                break
+            got = run.step(s, acts, a)
+            if got is not None and (best is None or got[0] < best[0]):
+                best = (got[0], got[1], a)
+        if best is None or best[0] >= cur:
+            break
+        cur, s, acts = best[0], best[1], [*acts, best[2]]
+    return run.result()
+
+
+def beam(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, *, width: int = 4, **_) -> Result:
+    run = _Run(root, ev, budget)
+    level: list[tuple[tuple, ShardingState, list[Action]]] = [(run.best[0], root, [])]
+    seen: set[frozenset] = {frozenset()}
+    while level and not run.spent():
+        before = run.best[0]
+        nxt = []
+        for _, s, acts in level:
+            for a in candidates(s, axes, kinds):
+                key = frozenset([*acts, a])
+                if key in seen or run.spent():
+                    continue
+                seen.add(key)
+                got = run.step(s, acts, a)
+                if got is not None:
+                    nxt.append((got[0], got[1], [*acts, a]))
+        nxt.sort(key=lambda t: t[0])
+        level = nxt[:width]
+        if run.best[0] >= before and level and level[0][0] > before:
+            break  # no state of this depth improved on the best: stop
+    return run.result()
+
+
+def exhaustive(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget | None = None, *,
+               max_depth: int = 3, **_) -> Result:
+    run = _Run(root, ev, budget or Budget())
+    level: list[tuple[ShardingState, list[Action]]] = [(root, [])]
+    seen: set[frozenset] = {frozenset()}
+    for _ in range(max_depth):
+        nxt = []
+        for s, acts in level:
+            for a in candidates(s, axes, kinds):
+                key = frozenset([*acts, a])
+                if key in seen:
+                    continue
+                seen.add(key)
+                got = run.step(s, acts, a)
+                if got is not None:
+                    nxt.append((got[1], [*acts, a]))
+        level = nxt
+    return run.result()
+
+
+ALGORITHMS = {"random": random_search, "greedy": greedy, "beam": beam, "exhaustive": exhaustive}

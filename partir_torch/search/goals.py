@@ -1,0 +1,76 @@
+"""Goals: what the search optimizes on an axis, and the evaluator that scores a state with the cost model.
+
+    time           (default) fit memory, then minimize estimated step time
+    communication  fit memory, then minimize communication time (step time breaks ties): an axis only
+                   communicates when that is needed to fit
+    zero           shard only parameters and optimizer state on the axis (ZeRO-like moves only), fit
+                   memory, then minimize step time
+A plan that does not fit always ranks below one that does; among infeasible plans, less memory is better.
+The MCTS reward maps that order into numbers: a feasible plan scores 1 + t_ref / t (t its objective, t_ref
+the start state's), an infeasible one limit / peak, below 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from partir_torch.cost.hardware import Hardware
+from partir_torch.cost.model import CostReport, evaluate
+from partir_torch.errors import PartirError
+from partir_torch.propagate import ShardingState
+
+GOALS = ("time", "communication", "zero")
+KINDS = {"time": frozenset({"input", "param", "optimizer"}), "communication": frozenset({"input", "param", "optimizer"}),
+         "zero": frozenset({"optimizer"})}
+
+
+def check_goal(goal: str) -> str:
+    if goal not in GOALS:
+        raise PartirError(f"unknown search goal {goal!r}; goals: {', '.join(GOALS)}")
+    return goal
+
+
+@dataclass
+class Evaluator:
+    """Costs states with the cost model, caches scores by state, and keeps timing statistics."""
+
+    hw: Hardware
+    dcn_axes: frozenset[str] = frozenset()
+    memory_limit: float | None = None
+    goal: str = "time"
+    evaluations: int = 0
+    cost_time_s: float = 0.0
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def limit(self) -> float:
+        return self.hw.memory if self.memory_limit is None else self.memory_limit
+
+    def report(self, state: ShardingState) -> CostReport:
+        t0 = time.perf_counter()
+        r = evaluate(state, self.hw, dcn_axes=self.dcn_axes, memory_limit=self.memory_limit)
+        self.cost_time_s += time.perf_counter() - t0
+        self.evaluations += 1
+        return r
+
+    def key(self, r: CostReport) -> tuple[int, float, float]:
+        """Sort key, smaller is better: (infeasible, memory if infeasible, objective)."""
+        if not r.feasible:
+            return (1, float(r.peak_memory_bytes), r.step_time_s)
+        obj = r.comm_time_s + 1e-3 * r.step_time_s if self.goal == "communication" else r.step_time_s
+        return (0, 0.0, obj)
+
+    def score(self, state: ShardingState, cache_key=None) -> tuple[tuple, CostReport | None]:
+        if cache_key is not None and cache_key in self.cache:
+            return self.cache[cache_key], None
+        r = self.report(state)
+        k = self.key(r)
+        if cache_key is not None:
+            self.cache[cache_key] = k
+        return k, r
+
+    def reward(self, key: tuple, ref: tuple) -> float:
+        if key[0]:
+            return min(self.limit / key[1], 0.999)
+        return 1.0 + (ref[2] / key[2] if key[2] > 0 else 1.0)

@@ -1,0 +1,141 @@
+"""The search's action space: what can be tiled on an axis, pruned by the propagation analysis.
+
+Slots are found from roles and groups only (never names): every program input, every parameter group
+(one slot for all repeated layers) or ungrouped parameter, and, when there is an optimizer, one
+optimizer-sharding slot per parameter group (ZeRO: `ShardOptimizer`). A slot x dim x axis is a candidate
+when the axis is not already used on the slot's value, not fenced there, and divides the dim (times the
+axes already on it). Actions already implied by propagation are therefore never offered again.
+
+`ShardOptimizer(target, dim, axis, stage)` is the ZeRO move for one parameter group: the group's per-
+parameter optimizer states (stage 1), and its parameters (stage 3) are tiled on `dim`, while the forward and
+backward ops that read the parameter or write its gradient are fenced on the axis (their other tensors kept
+as they are), so the optimizer's sharding does not leak into the model: a stage-3 parameter is gathered
+where it is used and its gradient reduce-scattered, exactly as `tactics.ZeRO` does for all parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partir_torch.errors import IllegalActionError
+from partir_torch.ir.actions import Tile
+from partir_torch.ir.program import Phase, Program
+from partir_torch.propagate import ShardingState
+
+
+@dataclass(frozen=True, order=True)
+class ShardOptimizer:
+    """ZeRO for one parameter (group): optimizer states (stage 1) and the parameter (stage 3) on `dim`."""
+
+    target: str  # a parameter name or group key
+    dim: int
+    axis: str
+    stage: int = 1
+
+    def __str__(self) -> str:
+        return f"zero{self.stage}({self.target}, {self.dim}, {self.axis!r})"
+
+    def apply(self, state: ShardingState) -> None:
+        p = state.program
+        members = [p.values[v].name for v in state.resolve(self.target)]
+        for name in members:
+            if name not in p.opt_states:
+                raise IllegalActionError(f"{name} has no optimizer state to shard")
+        fence: set[int] = set()
+        own: set[int] = set()
+        for name in members:
+            pv, gv = p.params[name], p.grads.get(name)
+            own.update(v for v in (pv, gv) if v is not None)
+            for v in (pv, gv):
+                if v is None:
+                    continue
+                for o in state.touch[v]:
+                    if p.ops[o].phase is Phase.OPTIMIZER:
+                        continue
+                    for t in (*state.rules[o].operands, *state.rules[o].results):
+                        fence.add(t.value)
+        fence -= own
+        if self.stage < 3:
+            fence |= own
+        state.lock(fence, self.axis)
+        for name in members:
+            states = [v for s, v in p.opt_states[name].items() if s not in p.shared_states]
+            targets = ([p.params[name]] if self.stage == 3 else []) + states
+            for v in targets:
+                if self.axis in state.shard[v].axes:
+                    continue
+                state.apply(Tile(p.values[v].name, self.dim, self.axis))
+        state.actions.append(self)
+
+
+Action = Tile | ShardOptimizer
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A target the search may tile: a value name or group key, its representative value, its kind."""
+
+    target: str
+    value: int
+    kind: str  # input | param | optimizer
+
+
+def slots(program: Program) -> list[Slot]:
+    """Inputs, parameter groups (one slot for all repeats) and ungrouped parameters, and optimizer slots."""
+    cached = getattr(program, "_search_slots", None)
+    if cached is not None:
+        return cached
+    out = [Slot(program.values[v].name, v, "input") for v in program.inputs if program.values[v].shape]
+    grouped: set[str] = set()
+    for g in program.groups:
+        out.append(Slot(g.key, program.params[g.params[0]], "param"))
+        grouped.update(g.params)
+    trainable = set(program.grads)
+    out += [Slot(n, v, "param") for n, v in program.params.items() if n not in grouped and n in trainable]
+    if program.opt_states:
+        out += [Slot(s.target, s.value, "optimizer") for s in list(out) if s.kind == "param"
+                and program.values[s.value].name in program.opt_states]
+    program._search_slots = out  # type: ignore[attr-defined]
+    return out
+
+
+def _fits(state: ShardingState, v: int, dim: int, axis: str) -> bool:
+    val, sh = state.program.values[v], state.shard[v]
+    if axis in sh.axes or axis in state.locked[v]:
+        return False
+    k = state.mesh.size(axis)
+    for a in sh.dims[dim]:
+        k *= state.mesh.size(a)
+    return val.shape[dim] % k == 0 and val.shape[dim] >= k
+
+
+def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str]) -> list[Action]:
+    """Legal, not-yet-implied actions on `axes` for slots of `kinds` (input, param, optimizer), sorted."""
+    out: list[Action] = []
+    p = state.program
+    for s in slots(p):
+        if s.kind not in kinds:
+            continue
+        for axis in axes:
+            for d in range(len(p.values[s.value].shape)):
+                if s.kind == "optimizer":
+                    st = [v for n, v in p.opt_states[p.values[s.value].name].items() if n not in p.shared_states]
+                    if st and _fits(state, st[0], d, axis):
+                        out.append(ShardOptimizer(s.target, d, axis, 1))
+                        if _fits(state, s.value, d, axis):
+                            out.append(ShardOptimizer(s.target, d, axis, 3))
+                elif _fits(state, s.value, d, axis):
+                    out.append(Tile(s.target, d, axis))
+    return out
+
+
+def apply_action(state: ShardingState, action: Action) -> bool:
+    """Apply in place; False (state possibly half-changed: use a copy) when the action is illegal."""
+    try:
+        if isinstance(action, ShardOptimizer):
+            action.apply(state)
+        else:
+            state.apply(action)
+    except IllegalActionError:
+        return False
+    return True

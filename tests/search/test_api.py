@@ -1,0 +1,98 @@
+"""search(), the Auto tactic in schedules, goals, the plan JSON, the CLI, and the name-blind recovery of
+Megatron x data parallelism on a model whose modules are all renamed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from partir_torch import capture, models
+from partir_torch.cli import main
+from partir_torch.ir import Mesh, Role
+from partir_torch.plan import ShardingPlan
+from partir_torch.search import Auto, InfeasibleError, search
+from partir_torch.tactics import ScheduleError, apply_schedule, linears, megatron_pairs, parse_schedule
+from tests.search.renamed import renamed
+
+
+def test_schedule_text_with_auto():
+    mesh = Mesh.parse("batch=2,model=4")
+    t = parse_schedule("batch:BatchParallel;model:Auto(communication)", mesh)
+    assert t[1] == Auto(("model",), "communication")
+    assert parse_schedule("*:Auto", mesh) == [Auto(None)]
+    assert parse_schedule("batch,model:Auto(time, joint)", mesh) == [Auto(("batch", "model"), "time", "joint")]
+    with pytest.raises(ScheduleError, match="names axis 'expert'"):
+        parse_schedule("expert:Auto", mesh)
+    with pytest.raises(ScheduleError, match="goals: time, communication, zero"):
+        parse_schedule("model:Auto(fast)", mesh)
+
+
+def test_search_returns_a_plan_with_the_documented_json():
+    model, inputs, loss_fn = models.build("tiny-gpt2", {"layers": "3"})
+    plan = search(model, inputs, {"batch": 2, "model": 4}, loss_fn=loss_fn, hardware="tpu-v5e", budget=30)
+    d = json.loads(json.dumps(plan.to_json()))
+    assert d["mesh"]["axes"] == {"batch": 2, "model": 4}
+    assert set(d["params"]) == {n for n, _ in model.named_parameters()}  # all 3 layers, from the folded capture
+    assert len(d["inputs"]) == len(inputs)
+    assert set(d["optimizer_state"]["h.2.mlp.c_fc.weight"]) == {"exp_avg", "exp_avg_sq"}
+    for key in ("step_time_s", "peak_memory_bytes", "comm_bytes"):
+        assert key in d["cost"]
+    assert 0 < d["search"]["episodes"] <= 30 and d["search"]["time_s"] > 0 and d["search"]["evaluations"] > 0
+    assert ShardingPlan.from_json(d).to_json() == d
+    for spec in d["params"].values():
+        assert all(e is None or isinstance(e, (str, list)) for e in spec)
+
+
+def test_zero_goal_shards_only_parameters_and_optimizer_state():
+    model, inputs, loss_fn = models.build("mlp", {"batch": "64", "width": "256", "hidden": "1024", "layers": "3"})
+    program = capture(model, inputs, loss_fn, "adamw", fold=True)
+    mesh = Mesh.parse("batch=8")
+    from partir_torch.search import SearchConfig
+    from partir_torch.search.mcts import Budget
+
+    cfg = SearchConfig(memory_limit=None, budget=Budget(episodes=40))
+    state = apply_schedule(program, mesh, "batch:Auto(zero)", search=cfg)
+    assert any(state.shard[v].axes for st in program.opt_states.values() for v in st.values())
+    for v in program.values:
+        if v.role in (Role.INPUT,) or (v.role is Role.ACTIVATION and program.ops[v.producer].phase.value == "forward"):
+            assert "batch" not in state.shard[v.id].axes, v.name
+
+
+def test_infeasible_search_reports_the_best_plan_and_what_would_help():
+    model, inputs, loss_fn = models.build("tiny-mlp")
+    with pytest.raises(InfeasibleError, match=r"needs .* GiB per device, the limit is .*bigger mesh axis"):
+        search(model, inputs, "batch=2", loss_fn=loss_fn, memory=1024, budget=10)
+
+
+def test_search_recovers_megatron_x_dp_on_a_renamed_model():
+    """S2 in small: Llama-shaped, h100 x 32, batch axis across nodes; no name carries meaning."""
+    cfg = dict(layers="4", width="1024", heads="16", kv_heads="16", ffn="4096", vocab="2048", seq="512", batch="16")
+    model, inputs, loss_fn = models.build("llama-7b", cfg)
+    model = renamed(model)
+    assert not any(w in n for n, _ in model.named_parameters() for w in ("proj", "attn", "mlp", "embed", "layers"))
+    plan = search(model, inputs, "batch=4,model=8", loss_fn=loss_fn, hardware="h100-sxm", dcn_axes=("batch",),
+                  memory=4 * 2**30, budget=120, seed=0)
+    assert plan.cost["feasible"]
+    program = capture(model, inputs, loss_fn, "adamw", fold=True)
+    rules = apply_schedule(program, Mesh.parse("batch=4,model=8"), "batch:DP").rules
+    lin = linears(program, rules)
+    pairs = megatron_pairs(program, rules)
+    assert len(pairs) >= 4  # attention (q, k, v -> o) and MLP (gate, up -> down) in each folded layer
+    for col, row in pairs:
+        w1, out1, _ = lin[col]
+        w2, _, in2 = lin[row]
+        s1, s2 = plan.params[program.values[w1].name], plan.params[program.values[w2].name]
+        assert "model" in str(s1[out1]), (program.values[w1].name, s1)  # column-parallel
+        assert "model" in str(s2[in2]), (program.values[w2].name, s2)  # row-parallel
+    assert plan.inputs[0][0] == "batch" or "batch" in (plan.inputs[0][0] or [])  # batch parallel
+
+
+def test_plan_cli_searches_by_default(capsys):
+    argv = ["plan", "tiny-mlp", "--mesh", "batch=2,model=2", "--hardware", "tpu-v5e", "--budget", "20", "--json"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert 0 < d["search"]["episodes"] <= 20 and d["schedule"] == "*:Auto"
+    assert main(argv[:-1]) == 0
+    out = capsys.readouterr().out
+    assert "search: mcts, " in out and "parameters sharded" in out
