@@ -26,9 +26,11 @@ class GPTConfig:
     tie: bool = True
     ln_eps: float = 1e-5
     dtype: str = "float32"
+    qkv: str = "fused"  # fused: one c_attn as GPT-2; separate: q/k/v projections as OPT / GPT-J
 
     def __post_init__(self) -> None:
         check_common(self)
+        require(self.qkv in ("fused", "separate"), f"qkv must be 'fused' or 'separate', got {self.qkv!r}")
         for name in ("layers", "width", "heads", "vocab", "seq", "batch"):
             require(getattr(self, name) > 0, f"{name} must be positive")
         require(self.width % self.heads == 0, f"width {self.width} not divisible by heads {self.heads}")
@@ -54,6 +56,24 @@ class CausalSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(b, s, d))
 
 
+class SeparateQKVAttention(nn.Module):
+    """Causal attention with separate q/k/v projections (OPT, GPT-J): Megatron can tile each on its heads."""
+
+    def __init__(self, width: int, heads: int, attn: str) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn = attn
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(width, width) for _ in range(3))
+        self.out_proj = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, d = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, d // self.heads).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = attention(q, k, v, self.attn, causal=True)
+        return self.out_proj(y.transpose(1, 2).reshape(b, s, d))
+
+
 class GPTMLP(nn.Module):
     """``c_proj(gelu_tanh(c_fc(x)))`` with a 4x expansion."""
 
@@ -73,7 +93,8 @@ class GPTBlock(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
-        self.attn = CausalSelfAttention(cfg.width, cfg.heads, cfg.attn)
+        attn = CausalSelfAttention if cfg.qkv == "fused" else SeparateQKVAttention
+        self.attn = attn(cfg.width, cfg.heads, cfg.attn)
         self.ln_2 = nn.LayerNorm(cfg.width, eps=cfg.ln_eps)
         self.mlp = GPTMLP(cfg.width)
 

@@ -52,7 +52,8 @@ _register("gpt2-small", gpt.GPTConfig(), gpt, lm_loss, "GPT-2 small, 124M (tied)
 _register("gpt2-medium", gpt.GPTConfig(layers=24, width=1024, heads=16), gpt, lm_loss, "GPT-2 medium, 355M")
 _register("gpt2-xl", gpt.GPTConfig(layers=48, width=1600, heads=25), gpt, lm_loss, "GPT-2 XL, 1.56B")
 _register(
-    "gpt-6.7b", gpt.GPTConfig(layers=32, width=4096, heads=32, seq=2048), gpt, lm_loss, "GPT-3 6.7B shape"
+    "gpt-6.7b", gpt.GPTConfig(layers=32, width=4096, heads=32, seq=2048, qkv="separate"), gpt, lm_loss,
+    "GPT-3 6.7B shape, separate q/k/v projections (as OPT-6.7B)"
 )
 _register(
     "tiny-gpt2",

@@ -80,18 +80,29 @@ class Slot:
     kind: str  # input | param | optimizer
 
 
+SIGNIFICANT = 1 / 64  # parameter slots smaller than this share of the largest one are left to propagation
+
+
 def slots(program: Program) -> list[Slot]:
-    """Inputs, parameter groups (one slot for all repeats) and ungrouped parameters, and optimizer slots."""
+    """Inputs, parameter groups (one slot for all repeats) and ungrouped parameters, and optimizer slots.
+
+    A parameter (group) whose size is below `SIGNIFICANT` of the largest one (biases, norm scales next to
+    weight matrices) gets no slot of its own: deciding it moves the cost by little, while every slot
+    multiplies the tree's branching; it is still sharded wherever propagation carries a decision to it.
+    """
     cached = getattr(program, "_search_slots", None)
     if cached is not None:
         return cached
     out = [Slot(program.values[v].name, v, "input") for v in program.inputs if program.values[v].shape]
     grouped: set[str] = set()
+    params: list[Slot] = []
     for g in program.groups:
-        out.append(Slot(g.key, program.params[g.params[0]], "param"))
+        params.append(Slot(g.key, program.params[g.params[0]], "param"))
         grouped.update(g.params)
     trainable = set(program.grads)
-    out += [Slot(n, v, "param") for n, v in program.params.items() if n not in grouped and n in trainable]
+    params += [Slot(n, v, "param") for n, v in program.params.items() if n not in grouped and n in trainable]
+    largest = max((program.values[s.value].numel for s in params), default=0)
+    out += [s for s in params if program.values[s.value].numel >= largest * SIGNIFICANT]
     if program.opt_states:
         out += [Slot(s.target, s.value, "optimizer") for s in list(out) if s.kind == "param"
                 and program.values[s.value].name in program.opt_states]
@@ -118,12 +129,14 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
             continue
         for axis in axes:
             for d in range(len(p.values[s.value].shape)):
-                if s.kind == "optimizer":
+                if s.kind == "optimizer":  # one dim per stage: which one is tiled barely changes the cost
                     st = [v for n, v in p.opt_states[p.values[s.value].name].items() if n not in p.shared_states]
-                    if st and _fits(state, st[0], d, axis):
+                    have = {a.stage for a in out if isinstance(a, ShardOptimizer) and a.target == s.target
+                            and a.axis == axis}
+                    if st and 1 not in have and _fits(state, st[0], d, axis):
                         out.append(ShardOptimizer(s.target, d, axis, 1))
-                        if _fits(state, s.value, d, axis):
-                            out.append(ShardOptimizer(s.target, d, axis, 3))
+                    if st and 3 not in have and _fits(state, st[0], d, axis) and _fits(state, s.value, d, axis):
+                        out.append(ShardOptimizer(s.target, d, axis, 3))
                 elif _fits(state, s.value, d, axis):
                     out.append(Tile(s.target, d, axis))
     return out
