@@ -9,6 +9,7 @@ to minor). `ShardingPlan.to_json()` keeps at least `mesh.axes`, `params`, `input
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,11 +79,16 @@ class ShardingPlan:
 
     def table(self, top: int = 20) -> str:
         """Sharded parameters, one line each, then the cost: readable in a terminal."""
-        rows = [(n, s) for n, s in self.params.items() if any(x is not None for x in s)]
+        sharded = [(n, s) for n, s in self.params.items() if any(x is not None for x in s)]
+        # repeated layers with one spec collapse to one row: h.*.attn.c_attn.weight (x12)
+        collapsed: dict[tuple[str, str], list[str]] = {}
+        for n, sp in sharded:
+            collapsed.setdefault((re.sub(r"\.\d+\.", ".*.", n), json.dumps(sp)), []).append(n)
+        rows = [(f"{k} (x{len(ns)})" if len(ns) > 1 else ns[0], json.loads(sp)) for (k, sp), ns in collapsed.items()]
         w = max((len(n) for n, _ in rows[:top]), default=10)
         lines = [f"mesh {self.mesh}" + (f" (dcn: {', '.join(self.dcn_axes)})" if self.dcn_axes else "")
                  + (f", schedule {self.schedule}" if self.schedule else "") + (f", hardware {self.hardware}" if self.hardware else ""),
-                 f"{len(rows)} of {len(self.params)} parameters sharded:"]
+                 f"{len(sharded)} of {len(self.params)} parameters sharded:"]
         lines += [f"  {n:<{w}}  {s}" for n, s in rows[:top]]
         if len(rows) > top:
             lines.append(f"  … {len(rows) - top} more")
