@@ -27,7 +27,7 @@ SCENARIOS = {
     "S4b": ("unet", {}, "tpu-v4", "batch=4,model=2", (), "2d"),
     "S5": ("gns", {}, "tpu-v4", "batch=2,model=4", (), "2d"),
     "S6": ("moe", {}, "h100-sxm", "batch=2,expert=8", ("batch",), "2d"),
-    "S7": ("mlp", {"batch": "8192", "width": "256", "hidden": "512"}, "cpu-virtual", "batch=8", (), "1d"),
+    "S7": ("mlp", {"batch": "65536", "width": "64", "hidden": "256"}, "cpu-virtual", "batch=8", (), "1d"),
 }
 
 

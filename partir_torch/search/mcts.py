@@ -18,8 +18,11 @@
 
 Refinement (the last `refine` share of the budget): rollouts leave incidental actions in the best plan, and
 the tree rarely reaches the last small improvement. So the best plan is (1) pruned: each action whose
-removal does not make the plan worse (within 1e-4) is dropped, and (2) hill-climbed: the single candidate
-action that improves it most is added, while one does.
+removal keeps the plan within `simplicity` (0.5 %) of the best step time found is dropped, and (2)
+hill-climbed: the single candidate action that improves it most is added, while one improves it by more
+than `simplicity` (or makes it fit). Sharding more than a plan needs costs what the cost model does not
+see (more collectives to launch, more to debug) and the model is not accurate to 0.5 %: a decision must
+earn its place.
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ class Result:
 class MCTS:
     def __init__(self, root: ShardingState, evaluator: Evaluator, axes: tuple[str, ...], kinds: frozenset[str], *,
                  seed: int = 0, c: float = 0.5, rollout_depth: int = 3, p_stop: float = 0.3, max_depth: int = 12,
-                 progress: bool = False) -> None:
+                 simplicity: float = 0.005, progress: bool = False) -> None:
+        self.simplicity = simplicity
         self.ev, self.axes, self.kinds = evaluator, axes, kinds
         self.rng = random.Random(seed)
         self.c, self.rollout_depth, self.p_stop, self.max_depth = c, rollout_depth, p_stop, max_depth
@@ -219,7 +223,8 @@ class MCTS:
         def spent() -> bool:
             return (deadline is not None and time.perf_counter() >= deadline) or (max_evals is not None and used >= max_evals)
 
-        key, state, acts = self.best
+        base = key = self.best[0]
+        _, state, acts = self.best
         i = len(acts) - 1
         while i >= 0 and not spent():  # prune, newest first
             trial = acts[:i] + acts[i + 1:]
@@ -227,10 +232,14 @@ class MCTS:
             used += 1
             if s is not None:
                 k, _ = self.ev.score(s, frozenset(trial))
-                if k[0] == key[0] and k[1] <= key[1] and k[2] <= key[2] * (1 + 1e-4):
+                if k[0] == base[0] and k[1] <= base[1] and k[2] <= base[2] * (1 + self.simplicity):
                     key, state, acts = k, s, trial
             i -= 1
-        self.best = (key, state, acts)  # no worse than before (within 1e-4 per dropped action), fewer actions
+        self.best = (key, state, acts)  # within `simplicity` of the best found, with fewer decisions
+
+        def better(k: tuple, than: tuple) -> bool:
+            return k[0] < than[0] or (k[0] == than[0] and (k[1] < than[1] if k[0] else k[2] < than[2] * (1 - self.simplicity)))
+
         while not spent():  # hill-climb
             step = None
             for a in candidates(state, self.axes, self.kinds):
@@ -241,12 +250,12 @@ class MCTS:
                 if s is None:
                     continue
                 k, _ = self.ev.score(s, frozenset([*acts, a]))
-                if k < key and (step is None or k < step[0]):
+                if better(k, key) and (step is None or k < step[0]):
                     step = (k, s, a)
             if step is None:
                 break
             key, state, acts = step[0], step[1], [*acts, step[2]]
-            self._consider(key, state, acts)
+            self.best = (key, state, acts)
 
     def run(self, budget: Budget, *, refine: float = 0.2) -> Result:
         t0 = time.perf_counter()

@@ -102,3 +102,12 @@ def test_plan_cli_searches_by_default(capsys):
     assert main(argv[:-1]) == 0
     out = capsys.readouterr().out
     assert "search: mcts, " in out and "parameters sharded" in out
+
+
+def test_search_does_not_shard_more_than_data_parallelism_needs():
+    """S7: a small MLP with a large batch; data parallelism is optimal (ZeRO would save < 0.5 %)."""
+    model, inputs, loss_fn = models.build("mlp", {"batch": "65536", "width": "64", "hidden": "256"})
+    plan = search(model, inputs, "batch=8", loss_fn=loss_fn, hardware="cpu-virtual", budget=100)
+    assert plan.inputs[0][0] == "batch"
+    assert all(x is None for spec in plan.params.values() for x in spec), plan.params
+    assert all(x is None for st in plan.optimizer_state.values() for spec in st.values() for x in spec)
