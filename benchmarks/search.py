@@ -40,6 +40,35 @@ def experts(axes: list[str]) -> dict[str, str]:
             "MegatronxDP": f"{b}:DP;{m}:Megatron", "MegatronxDP+ZeRO-1": f"{b}:DP;{m}:Megatron;{b}:ZeRO(1)"}
 
 
+def renamed_megatron(model_name, over, mesh, hw, dcn, budget) -> dict:
+    """Search the renamed model; count the structural column/row linear pairs the plan tiles Megatron-style
+    on the model axis, and whether the inputs are batch-parallel."""
+    from partir_torch import capture
+    from partir_torch.models.renamed import renamed
+    from partir_torch.search import search
+    from partir_torch.tactics import apply_schedule, linears, megatron_pairs
+    from partir_torch.workload import load
+
+    model, inputs, loss_fn = load(model_name, over)
+    model = renamed(model)
+    t = time.perf_counter()
+    plan = search(model, inputs, mesh, loss_fn=loss_fn, hardware=hw, dcn_axes=dcn, budget=budget, require_fit=False)
+    el = time.perf_counter() - t
+    program = capture(model, inputs, loss_fn, "adamw", fold=True)
+    rules = apply_schedule(program, mesh, f"{mesh.names[0]}:DP").rules
+    lin, pairs = linears(program, rules), megatron_pairs(program, rules)
+    model_axis = mesh.names[-1]
+    hit = 0
+    for col, row in pairs:
+        w1, out1, _ = lin[col]
+        w2, _, in2 = lin[row]
+        s1, s2 = plan.params[program.values[w1].name], plan.params[program.values[w2].name]
+        hit += model_axis in str(s1[out1]) and model_axis in str(s2[in2])
+    return {"pairs": len(pairs), "megatron_pairs_found": hit, "inputs": plan.inputs, "time_s": el,
+            "step_time_s": plan.cost["step_time_s"], "feasible": plan.cost["feasible"],
+            "example_names": [n for n in plan.params][:3]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", default="20s")
@@ -100,6 +129,9 @@ def main() -> None:
                                              "actions": [a for e in cfg.log for a in e["actions"]]})
             print(f"{name} {key}: {row['search'][key]['step_time_s'] * 1e3:.2f} ms, "
                   f"{row['search'][key]['peak_memory_bytes'] / 2**30:.2f} GiB, {el:.1f} s", flush=True)
+        if name == "S2":  # the same search on a copy whose every module and parameter name is meaningless
+            row["renamed"] = renamed_megatron(model_name, over, mesh, hw, dcn, args.budget)
+            print(f"S2 renamed: {row['renamed']}", flush=True)
         feas = [v["step_time_s"] for v in row["experts"].values() if v.get("feasible")]
         row["best_expert_s"] = min(feas) if feas else None
         for v in row["search"].values():

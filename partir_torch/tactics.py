@@ -231,7 +231,27 @@ def parse_schedule(text: str, mesh: Mesh) -> list[Tactic]:
         out.append(cls(axis, int(stage)) if cls is ZeRO and stage else cls(axis))
     if not out:
         raise ScheduleError("empty schedule")
+    _check_reuse(out, mesh, text)
     return out
+
+
+def _check_reuse(tactics: list, mesh: Mesh, text: str) -> None:
+    """A tactic may build on an earlier one on the same axis (DP then ZeRO), but not repeat it, and an
+    axis is searched at most once."""
+    seen: set[tuple[str, str]] = set()
+    searched: set[str] = set()
+    for t in tactics:
+        if type(t).__name__ == "Auto":
+            axes = t.axes or tuple(a for a in mesh.names if a not in {ax for ax, _ in seen})
+            again = searched.intersection(axes)
+            if again:
+                raise ScheduleError(f"schedule {text!r} searches axis {sorted(again)[0]!r} twice; give each axis one Auto")
+            searched.update(axes)
+            continue
+        key = (t.axis, type(t).__name__)
+        if key in seen:
+            raise ScheduleError(f"schedule {text!r} applies {key[1]} on axis {key[0]!r} twice")
+        seen.add(key)
 
 
 def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallback: bool = False,

@@ -11,10 +11,10 @@ from partir_torch import capture, models
 from partir_torch.cli import main
 from partir_torch.cost import evaluate, hardware
 from partir_torch.ir import Mesh, Role
+from partir_torch.models.renamed import renamed
 from partir_torch.plan import ShardingPlan
 from partir_torch.search import Auto, InfeasibleError, search
 from partir_torch.tactics import ScheduleError, apply_schedule, linears, megatron_pairs, parse_schedule
-from tests.search.renamed import renamed
 
 
 def test_schedule_text_with_auto():
@@ -27,6 +27,11 @@ def test_schedule_text_with_auto():
         parse_schedule("expert:Auto", mesh)
     with pytest.raises(ScheduleError, match="goals: time, communication, zero"):
         parse_schedule("model:Auto(fast)", mesh)
+    with pytest.raises(ScheduleError, match="searches axis 'model' twice"):
+        parse_schedule("model:Auto;*:Auto", mesh)
+    with pytest.raises(ScheduleError, match="applies BatchParallel on axis 'batch' twice"):
+        parse_schedule("batch:DP;batch:BatchParallel", mesh)
+    assert len(parse_schedule("batch:DP;model:Megatron;batch:ZeRO(1)", mesh)) == 3  # building on an axis is fine
 
 
 def test_search_returns_a_plan_with_the_documented_json():
