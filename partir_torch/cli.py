@@ -238,7 +238,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   f"{s['time_s']:.1f} s ({s['evaluations_per_s']:.0f}/s; propagation {s['propagation_time_s']:.1f} s, "
                   f"cost {s['cost_time_s']:.1f} s)")
             for e in s["per_axis"]:
-                print(f"  {','.join(e['axes'])} ({e['goal']}): " + ("; ".join(e["actions"]) or "nothing"))
+                if e.get("chosen", True):
+                    mode = f", {e['mode']} search" if "mode" in e else ""
+                    print(f"  {','.join(e['axes'])} ({e['goal']}{mode}): " + ("; ".join(e["actions"]) or "nothing"))
     if config.log and not report.feasible:
         raise InfeasibleError(infeasible_message(plan, mesh))
     return 0

@@ -211,7 +211,7 @@ def parse_schedule(text: str, mesh: Mesh) -> list[Tactic]:
                     if a not in mesh.names:
                         raise ScheduleError(f"schedule entry {part!r} names axis {a!r}; the mesh has axes {list(mesh.names)}")
             try:
-                out.append(Auto(None if names == ["*"] else tuple(names), auto.group(2) or "time", auto.group(3) or "incremental"))
+                out.append(Auto(None if names == ["*"] else tuple(names), auto.group(2) or "time", auto.group(3) or "both"))
             except PartirError as e:
                 raise ScheduleError(f"{part!r}: {e}") from None
             continue

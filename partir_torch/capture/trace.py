@@ -60,6 +60,9 @@ def capture(
     if fold:
         view, repeats = folded(model)
         if repeats:
+            fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+            level = fake_log.level
+            fake_log.setLevel(logging.CRITICAL)  # a failed folded trace is expected for some models: not an error
             try:
                 program = capture(view, example_inputs, loss_fn, optimizer, mode=mode, _strict=False)
             except CaptureError as e:
@@ -68,6 +71,8 @@ def capture(
             else:
                 program.fold = repeats
                 return program
+            finally:
+                fake_log.setLevel(level)
     t0 = time.perf_counter()
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     if not isinstance(model, nn.Module):
