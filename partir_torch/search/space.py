@@ -6,7 +6,9 @@ optimizer-sharding slot per parameter group (ZeRO: `ShardOptimizer`). A slot x d
 when the axis is not already used on the slot's value, not fenced there, and divides the dim (times the
 axes already on it). Actions already implied by propagation are therefore never offered again.
 
-`ShardOptimizer(target, dim, axis, stage)` is the ZeRO move for one parameter group: the group's per-
+`ShardOptimizer(target, dim, axis, stage)` is the ZeRO move for one parameter group (or, with target `*`,
+for every parameter at once, each on its first dim that divides: the expert's move, which a model with
+dozens of distinct layers could not reach one group at a time): the group's per-
 parameter optimizer states (stage 1), and its parameters (stage 3) are tiled on `dim`, while the forward and
 backward ops that read the parameter or write its gradient are fenced on the axis (their other tensors kept
 as they are), so the optimizer's sharding does not leak into the model: a stage-3 parameter is gathered
@@ -37,10 +39,32 @@ class ShardOptimizer:
 
     def apply(self, state: ShardingState) -> None:
         p = state.program
+        if self.target == "*":  # every parameter with optimizer state, each on its first dim that divides
+            chosen = []
+            for name, st in p.opt_states.items():
+                per = [v for s, v in st.items() if s not in p.shared_states]
+                pv = p.params[name]
+                for d in range(len(p.values[pv].shape)):
+                    if per and _fits(state, per[0], d, self.axis) and (self.stage < 3 or _fits(state, pv, d, self.axis)):
+                        chosen.append((name, d))
+                        break
+            if not chosen:
+                raise IllegalActionError(f"no optimizer state left to shard on {self.axis!r}")
+            self._fence(state, [n for n, _ in chosen])  # all fences first: no tile may leak past a later fence
+            for name, d in chosen:
+                self._tiles(state, [name], d)
+            state.actions.append(self)
+            return
         members = [p.values[v].name for v in state.resolve(self.target)]
         for name in members:
             if name not in p.opt_states:
                 raise IllegalActionError(f"{name} has no optimizer state to shard")
+        self._fence(state, members)
+        self._tiles(state, members, self.dim)
+        state.actions.append(self)
+
+    def _fence(self, state: ShardingState, members: list[str]) -> None:
+        p = state.program
         fence: set[int] = set()
         own: set[int] = set()
         for name in members:
@@ -58,14 +82,16 @@ class ShardOptimizer:
         if self.stage < 3:
             fence |= own
         state.lock(fence, self.axis)
+
+    def _tiles(self, state: ShardingState, members: list[str], dim: int) -> None:
+        p = state.program
         for name in members:
             states = [v for s, v in p.opt_states[name].items() if s not in p.shared_states]
             targets = ([p.params[name]] if self.stage == 3 else []) + states
             for v in targets:
                 if self.axis in state.shard[v].axes:
                     continue
-                state.apply(Tile(p.values[v].name, self.dim, self.axis))
-        state.actions.append(self)
+                state.apply(Tile(p.values[v].name, dim, self.axis))
 
 
 Action = Tile | ShardOptimizer
@@ -124,6 +150,11 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
     """Legal, not-yet-implied actions on `axes` for slots of `kinds` (input, param, optimizer), sorted."""
     out: list[Action] = []
     p = state.program
+    if "optimizer" in kinds and p.opt_states:  # the whole-model ZeRO move, as the expert tactic does it
+        free = [n for n, st in p.opt_states.items()
+                if any(s not in p.shared_states and not state.shard[v].axes for s, v in st.items())]
+        if free:
+            out += [ShardOptimizer("*", -1, axis, stage) for axis in axes for stage in (1, 3)]
     for s in slots(p):
         if s.kind not in kinds:
             continue
