@@ -123,7 +123,8 @@ def test_typed_errors_show_values():
 
 def test_schedule_text_and_errors():
     mesh = Mesh.parse("batch=2,model=4")
-    ts = parse_schedule("batch:BatchParallel; model:Megatron; batch:ZeRO(3); batch:ZeRO2; batch:FSDP; batch:DP", mesh)
+    ts = parse_schedule("batch:BatchParallel; model:Megatron; batch:ZeRO(3); model:ZeRO2; batch:FSDP", mesh)
+    ts += parse_schedule("batch:DP", mesh)
     assert [type(t).__name__ for t in ts] == ["BatchParallel", "Megatron", "ZeRO", "ZeRO", "FSDP", "BatchParallel"]
     assert (ts[2].stage, ts[3].stage) == (3, 2)
     with pytest.raises(ScheduleError, match=r"names axis 'data'; the mesh has axes \['batch', 'model'\]"):
