@@ -6,8 +6,11 @@ Between the sharding a value has and the one an op needs, per mesh axis:
     replicated -> tiled    : local slice (free) replicated/partial -> partial : free (one device keeps it)
 Bytes are per device: for all-reduce and reduce-scatter the (partial) input held, for all-gather the
 gathered output, for all-to-all the local block. The same value resharded to the same sharding by several
-ops is one collective (the compiler's CSE). Updated parameters and optimizer states are resharded back to
-their input sharding at the end of the step (ZeRO's parameter all-gather).
+ops is one collective (the compiler's CSE): the first op (in op order) that needs it owns it. Updated
+parameters and optimizer states are resharded back to their input sharding at the end of the step (ZeRO's
+parameter all-gather). `op_shardings` is what an op needs of each of its tensors (memoized by the op's rule
+structure and assignment); the cost model (`cost/model.py`) compares whole states against it as arrays of
+sharding ids and redoes `lower`'s dedup in the same order, so that its collectives are exactly these.
 """
 
 from __future__ import annotations
@@ -29,6 +32,14 @@ class Collective:
     op: int  # the consuming op, or -1 for the end-of-step reshard of an updated value
     src: str
     dst: str
+
+    @classmethod
+    def make(cls, kind: str, axis: str, nbytes: int, value: int, op: int, src: str, dst: str) -> Collective:
+        """`Collective(...)` at under half the cost (the frozen __init__ sets its fields one by one; the
+        cost model makes thousands)."""
+        c = object.__new__(cls)
+        c.__dict__.update(kind=kind, axis=axis, bytes=nbytes, value=value, op=op, src=src, dst=dst)
+        return c
 
     def to_json(self, state: ShardingState | None = None) -> dict:
         d = {"kind": self.kind, "axis": self.axis, "bytes": self.bytes, "value": self.value, "op": self.op,
@@ -84,29 +95,127 @@ def required_operand(state: ShardingState, o: int, i: int) -> Sharding:
     return Sharding(state.required(o, t.dims), partial | state.passthrough[o])
 
 
-def lower(state: ShardingState) -> list[Collective]:
+def op_needs(rule, a: dict, pt: frozenset[str]) -> list[tuple[tuple[tuple[str, ...], ...], frozenset[str]]]:
+    """(dims, partial) of `required_operand` for each operand, then of `ShardingState.op_output` for each
+    result, of an op with `rule`, factor assignment `a` and passed-through sums `pt`, without building
+    Shardings (the cost model's path; tests check it against `lower`)."""
+    out = []
+    red = None
+    for i, t in enumerate(rule.operands):
+        dims = tuple([a.get(f, ()) if f is not None else () for f in t.dims])
+        if i in rule.partialize:
+            if red is None:
+                red = frozenset(ax for r in rule.reduced for f in r for ax in a.get(f, ()))
+            out.append((dims, frozenset(x for x in red if all(x not in ax for ax in dims)) | pt))
+        else:
+            out.append((dims, pt))
+    for t, r in zip(rule.results, rule.reduced):
+        dims = tuple([a.get(f, ()) if f is not None else () for f in t.dims])
+        out.append((dims, frozenset(ax for f in r if f not in t.dims for ax in a.get(f, ())) | pt))
+    return out
+
+
+def op_signatures(state: ShardingState) -> list[int]:
+    """Per op, an id equal for ops whose rules give the same shardings under the same assignment (the
+    factors each tensor carries, reductions, partialized operands): the repeated layers' ops share one."""
+    program = state.program
+    sigs = getattr(program, "_lower_sigs", None)
+    if sigs is None:
+        ids: dict[tuple, int] = {}
+        sigs = [ids.setdefault((tuple(t.dims for t in r.operands), tuple(t.dims for t in r.results), r.partialize,
+                                r.reduced), len(ids)) for r in state.rules]
+        program._lower_sigs = sigs  # type: ignore[attr-defined]
+        program._lower_memo = {}  # type: ignore[attr-defined]
+    return sigs
+
+
+def op_shardings(state: ShardingState, o: int) -> tuple[tuple[Sharding, ...], tuple[Sharding, ...]]:
+    """(`required_operand` of each operand, `op_output` of each result) of op `o`, memoized per program by
+    (op signature, assignment, passed-through sums)."""
+    sig = op_signatures(state)[o]
+    a, pt = state.assign[o], state.passthrough[o]
+    key = (sig, tuple(a.items()), pt)
+    memo = state.program._lower_memo  # type: ignore[attr-defined]
+    hit = memo.get(key)
+    if hit is None:
+        rule = state.rules[o]
+        hit = memo[key] = (tuple(_canonical(required_operand(state, o, i)) for i in range(len(rule.operands))),
+                           tuple(_canonical(state.op_output(o, r)) for r in range(len(rule.results))))
+    return hit
+
+
+def _canonical(sh: Sharding) -> Sharding:
+    """The shared replicated instance for a replicated sharding (most values are: compared by identity first)."""
+    return Sharding.replicated(len(sh.dims)) if not sh.partial and not any(sh.dims) else sh
+
+
+def op_reshards(state: ShardingState, o: int) -> list[tuple[int, Sharding, Sharding]]:
+    """[(value, src, dst)] for the tensors of op `o` whose sharding is not the one the op reads
+    (`required_operand`: src the value's, dst the op's) or writes (`op_output`: src the op's, dst the
+    value's); operands then results."""
+    rule = state.rules[o]
+    need_in, need_out = op_shardings(state, o)
+    shard = state.shard
+    out: list[tuple[int, Sharding, Sharding]] = []
+    for t, need in zip(rule.operands, need_in):
+        sh = shard[t.value]
+        if sh is not need and sh != need:
+            out.append((t.value, sh, need))
+    for t, need in zip(rule.results, need_out):
+        sh = shard[t.value]
+        if sh is not need and sh != need:
+            out.append((t.value, need, sh))
+    return out
+
+
+def reshard(state: ShardingState, v: int, src: Sharding, dst: Sharding
+            ) -> tuple[tuple[tuple[str, str, int], ...], str, str]:
+    """(`transitions` of value `v` from `src` to `dst`, str(src), str(dst)), memoized per program and mesh
+    (by shape, itemsize and the two shardings)."""
     program, mesh = state.program, state.mesh
+    memos = getattr(program, "_reshard_memo", None)
+    if memos is None:
+        memos = program._reshard_memo = {}  # type: ignore[attr-defined]
+    memo = memos.get(mesh)
+    if memo is None:
+        memo = memos[mesh] = {}
+    val = program.values[v]
+    key = (val.shape, val.dtype.itemsize, src, dst)
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = (tuple(transitions(src, dst, val.shape, val.dtype.itemsize, mesh)), str(src), str(dst))
+    return hit
+
+
+def end_reshards(state: ShardingState) -> list[tuple[int, Sharding, Sharding]]:
+    """[(value, src, dst)] at the end of the step: updated values back to their input's sharding, the loss
+    replicated (the candidates `lower` lists after every op's, with op -1)."""
+    program, shard = state.program, state.shard
+    out = [(new, shard[new], shard[old]) for new, old in program.updates.items()]
+    if program.loss is not None:
+        out.append((program.loss, shard[program.loss], Sharding.replicated(0)))
+    return [c for c in out if c[1] != c[2]]
+
+
+def lower(state: ShardingState) -> list[Collective]:
+    """The collectives of `state`: each op's reshards (operands, then results) in op order, then the end of the
+    step; each (value, dst) once, owned by the first op that needs it."""
     out: list[Collective] = []
     seen: set[tuple[int, Sharding]] = set()
 
     def add(v: int, src: Sharding, dst: Sharding, op: int) -> None:
-        if src == dst or (v, dst) in seen:
+        if (v, dst) in seen:
             return
         seen.add((v, dst))
-        val = program.values[v]
-        for kind, axis, nbytes in transitions(src, dst, val.shape, val.dtype.itemsize, mesh):
-            out.append(Collective(kind, axis, nbytes, v, op, str(src), str(dst)))
+        steps, s, d = reshard(state, v, src, dst)
+        for kind, axis, nbytes in steps:
+            out.append(Collective.make(kind, axis, nbytes, v, op, s, d))
 
     for o in state.active_ops():  # an op with only replicated tensors and no assignment implies nothing
-        rule = state.rules[o]
-        for i, t in enumerate(rule.operands):
-            add(t.value, state.shard[t.value], required_operand(state, o, i), o)
-        for r, t in enumerate(rule.results):
-            add(t.value, state.op_output(o, r), state.shard[t.value], o)
-    for new, old in program.updates.items():
-        add(new, state.shard[new], state.shard[old], -1)
-    if program.loss is not None:
-        add(program.loss, state.shard[program.loss], Sharding.replicated(0), -1)
+        for v, src, dst in op_reshards(state, o):
+            add(v, src, dst, o)
+    for v, src, dst in end_reshards(state):
+        add(v, src, dst, -1)
     return out
 
 

@@ -101,6 +101,12 @@ class ShardingState:
             program._peers = cached  # type: ignore[attr-defined]
         self.peers, self.templates = cached
         self.changed: set[int] = set()  # values whose sharding left the replicated default
+        # for the cost model's incremental evaluation (cost/model.py): what changed since this state was
+        # last evaluated (every write of shard[v] marks v; of assign[o] or passthrough[o] marks o), and the
+        # per-state cost cache, shared copy-on-write by copies
+        self.dirty_values: set[int] = set()
+        self.dirty_ops: set[int] = set()
+        self.cost_cache = None
         layouts = getattr(program, "_layouts", None)
         if layouts is None:
             layouts = [None] * len(program.ops)
@@ -114,6 +120,9 @@ class ShardingState:
         new.shard, new.locked, new.passthrough = list(self.shard), list(self.locked), list(self.passthrough)
         new.assign = list(self.assign)
         new.conflicts, new.actions, new.changed = list(self.conflicts), list(self.actions), set(self.changed)
+        new.dirty_values, new.dirty_ops = set(self.dirty_values), set(self.dirty_ops)
+        if self.cost_cache is not None:
+            self.cost_cache.shared = True  # whichever of the two evaluates next works on its own clone
         return new
 
     # -- actions --------------------------------------------------------------------------------------
@@ -147,6 +156,7 @@ class ShardingState:
                 continue  # already implied by propagation
             self.shard[v] = self.shard[v].tile(action.dim, action.axis, value=val.name, shape=val.shape, mesh=self.mesh)
             self.changed.add(v)
+            self.dirty_values.add(v)
             changed.append(v)
         self.actions.append(action)
         self.propagate(action.axis, changed)
@@ -175,6 +185,7 @@ class ShardingState:
         except IllegalActionError:
             return False
         self.changed.add(v)
+        self.dirty_values.add(v)
         return True
 
     def propagate(self, axis: str, seeds: Iterable[int]) -> None:
@@ -228,13 +239,16 @@ class ShardingState:
         rule = self.rules[o]
         if rule.name in _MOVES and axis in self.shard[rule.operands[0].value].partial:
             # a pending sum moves through pure data movement (transposes, reshapes): reduce later, once
-            self.passthrough[o] = self.passthrough[o] | {axis}
+            if axis not in self.passthrough[o]:
+                self.passthrough[o] = self.passthrough[o] | {axis}
+                self.dirty_ops.add(o)
             changed = []
             for t in rule.results:
                 sh = self.shard[t.value]
                 if axis not in sh.axes and axis not in self.locked[t.value]:
                     self.shard[t.value] = Sharding(sh.dims, sh.partial | {axis})
                     self.changed.add(t.value)
+                    self.dirty_values.add(t.value)
                     changed.append(t.value)
             return changed
         tensors, carriers = self._layout(o)
@@ -271,6 +285,7 @@ class ShardingState:
                                    f"{list(values[v].shape)} does not divide by {k}", (v,))
                     return []
             self.assign[o] = {**self.assign[o], f: (*self.assign[o].get(f, ()), axis)}  # copy on write (copy())
+            self.dirty_ops.add(o)
         changed: list[int] = [v for v, d in carriers.get(f, ()) if self._tile(v, d, axis)]
         for t, red in zip(rule.results, rule.reduced):
             if f in red and f not in t.dims:
@@ -279,6 +294,7 @@ class ShardingState:
                 if axis not in sh.axes and axis not in self.locked[v]:
                     self.shard[v] = Sharding(sh.dims, sh.partial | {axis})
                     self.changed.add(v)
+                    self.dirty_values.add(v)
                     changed.append(v)
         return changed
 

@@ -83,3 +83,46 @@ def test_memory_accounts_sharding():
     assert dp.feasible and "peak memory per device" in str(dp)
     tight = evaluate(apply_schedule(p, Mesh.parse("batch=4"), "batch:BatchParallel"), hw, memory_limit=1024)
     assert not tight.feasible and "DOES NOT FIT" in str(tight)
+
+
+def _report(r) -> tuple:
+    return r.to_json(), r.comm_bytes, r.collectives
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_incremental_evaluation_equals_from_scratch(fold):
+    """Copies share the cost cache until one of them evaluates; after every action on a copy, the incremental
+    evaluation is the from-scratch one (fresh cache and memo), and the states it branched from keep theirs."""
+    import random
+
+    from partir_torch.cost.model import clear_memo
+    from partir_torch.search.space import apply_action, candidates
+
+    model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
+    p = capture(model, inputs, loss_fn, "adamw", fold=fold)
+    hw = hardware("tpu-v5e")
+    root = apply_schedule(p, Mesh.parse("batch=2,model=2"), "batch:DP")
+    pool = [(root, _report(evaluate(root, hw)))]
+    rng = random.Random(0)
+    steps = 0
+    while steps < 16:
+        parent, before = rng.choice(pool)
+        acts = candidates(parent, ("batch", "model"), frozenset({"input", "param", "optimizer"}))
+        if not acts:
+            continue
+        child = parent.copy()
+        assert child.cost_cache is parent.cost_cache  # shared until one of them evaluates
+        if not apply_action(child, rng.choice(acts)):
+            continue
+        steps += 1
+        h = hardware("h100-sxm") if steps % 4 == 0 else hw
+        dcn = frozenset({"batch"}) if steps % 3 == 0 else frozenset()
+        got = _report(evaluate(child, h, dcn_axes=dcn))
+        scratch = child.copy()
+        scratch.cost_cache = None
+        clear_memo(p)  # the program's memoized results start over too
+        want = _report(evaluate(scratch, h, dcn_axes=dcn))
+        assert got == want
+        assert got[1] == summarize(lower(child))
+        assert _report(evaluate(parent, hw)) == before  # the parent's cache was not touched by the child's
+        pool.append((child, _report(evaluate(child, hw))))
