@@ -1,6 +1,10 @@
 """Calibration of the cost model against XLA's compiled, SPMD-partitioned programs (8-device CPU mesh).
 
     .venv/bin/python benchmarks/calibration.py [--models tiny-mlp tiny-gpt2 tiny-llama] [--mesh batch=2,model=4]
+        [--no-constrain] [--native-layer-norm]
+
+By default XLA gets the plan's activation shardings too (module outputs and their gradients) and runs
+LayerNorm as reductions (`backends/xla.py` says why); the two flags turn those off, to measure what they do.
 
 For every model x plan: collective bytes per device by kind, predicted (in XLA CPU's form: reduce-scatter
 counted as the all-reduce it compiles to) vs what XLA emitted, and per-device memory (our liveness peak vs
@@ -21,8 +25,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="*", default=["tiny-mlp", "tiny-gpt2", "tiny-llama"])
     ap.add_argument("--mesh", default="batch=2,model=4")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "calibration.json"))
+    ap.add_argument("--no-constrain", action="store_true", help="parameters, inputs and states only")
+    ap.add_argument("--native-layer-norm", action="store_true", help="torch_xla's own LayerNorm lowering")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    variant = "".join(["-unconstrained" if args.no_constrain else "", "-native-ln" if args.native_layer_norm else ""])
+    out = args.out or str(Path(__file__).parent / "results" / f"calibration{variant}.json")
     from rich.console import Console
     from rich.table import Table
 
@@ -31,8 +39,9 @@ def main() -> None:
     rows = []
     for m in args.models:
         for plan in PLANS:
-            rows.append(calibrate(m, args.mesh, plan).to_json())
-    t = Table(title=f"cost model vs XLA (CPU, {args.mesh}); bytes per device; predicted / XLA")
+            rows.append(calibrate(m, args.mesh, plan, constrain=not args.no_constrain,
+                                  plain_layer_norm=not args.native_layer_norm).to_json())
+    t = Table(title=f"cost model vs XLA (CPU, {args.mesh}{variant}); bytes per device; predicted / XLA")
     for c in ("model", "plan", "all-reduce", "all-gather", "all-to-all", "coll.-permute", "memory"):
         t.add_column(c)
 
@@ -45,9 +54,9 @@ def main() -> None:
         t.add_row(r["model"], r["schedule"].replace("batch:", "b:").replace("model:", "m:"), cell(r, "all-reduce"),
                   cell(r, "all-gather"), cell(r, "all-to-all"), cell(r, "collective-permute"), mem)
     Console(width=160).print(t)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    print(f"wrote {args.out}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(rows, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

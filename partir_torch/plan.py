@@ -24,6 +24,42 @@ class PlanSpecs:
     params: dict[str, Spec]
     inputs: list[Spec]
     optimizer_state: dict[str, dict[str, Spec]]  # per parameter, per per-parameter state
+    activations: dict[str, Spec] = field(default_factory=dict)  # module path -> spec of its output
+
+
+def module_outputs(program) -> dict[str, int]:
+    """The value each module's forward returns, by module path: the one forward activation made inside the
+    module (its ops or its submodules') and used outside it. Modules whose output is not one such value
+    (several outputs, tuples, modules called more than once) are left out."""
+    from partir_torch.ir.program import Phase, Role
+
+    made: dict[str, set[int]] = {}
+    calls: dict[str, int] = {}
+    prev = ""
+    for op in program.ops:
+        if op.phase is not Phase.FORWARD or not op.module:
+            prev = ""
+            continue
+        parts = op.module.split(".")
+        for i in range(1, len(parts) + 1):
+            path = ".".join(parts[:i])
+            if not (prev == path or prev.startswith(path + ".")):  # entered from outside: a call
+                calls[path] = calls.get(path, 0) + 1
+            made.setdefault(path, set()).update(o for o in op.outputs if o >= 0)
+        prev = op.module
+    users, ops = program.users, program.ops
+    out: dict[str, int] = {}
+    for path, vals in made.items():
+        sub = path + "."
+        escaping = []
+        for v in sorted(vals):
+            if program.values[v].role is not Role.ACTIVATION:
+                continue
+            if any(not (m := ops[u].module) or not (m == path or m.startswith(sub)) for u in users[v]):
+                escaping.append(v)
+        if len(escaping) == 1:
+            out[path] = escaping[0]
+    return {p: v for p, v in out.items() if calls.get(p, 1) <= 1}
 
 
 def specs(state: ShardingState) -> PlanSpecs:
@@ -39,6 +75,8 @@ def specs(state: ShardingState) -> PlanSpecs:
         [state.shard[v].to_spec() for v in p.inputs],
         expand({n: {s: state.shard[v].to_spec() for s, v in st.items() if s not in p.shared_states}
                 for n, st in p.opt_states.items()}),
+        {k.removesuffix("."): spec for path, v in module_outputs(p).items()
+         for k in full_names(path + ".", fold) for spec in [state.shard[v].to_spec()]},
     )
 
 

@@ -33,6 +33,9 @@ class Calibration:
     xla_memory: int | None
     loss: float
     compile_s: float
+    xla_memory_breakdown: dict[str, int] | None = None
+    constrained: bool = True
+    plain_layer_norm: bool = True
 
     def ratio(self, kind: str) -> float | None:
         p, x = self.as_cpu.get(kind, 0), self.xla.get(kind, 0)
@@ -44,7 +47,10 @@ class Calibration:
 
 
 def calibrate(model: str, mesh: str, schedule: str, *, overrides: dict[str, str] | None = None,
-              optimizer: str = "adamw") -> Calibration:
+              optimizer: str = "adamw", constrain: bool = True, plain_layer_norm: bool = True) -> Calibration:
+    """`constrain`: also give XLA the plan's shardings of module outputs (and their gradients), so that GSPMD
+    partitions the activations as the plan does instead of by its own heuristics. `plain_layer_norm`: run
+    `nn.LayerNorm` as reductions (see `backends.xla`), not as torch_xla's batch-norm lowering."""
     from partir_torch import capture, workload
     from partir_torch.tactics import apply_schedule
 
@@ -58,9 +64,11 @@ def calibrate(model: str, mesh: str, schedule: str, *, overrides: dict[str, str]
     for k, b in predicted.items():
         as_cpu["all-reduce" if k == "reduce-scatter" else k] += b
     sp = specs(state)
-    step = run_step(model, m, sp.params, sp.inputs, sp.optimizer_state, overrides=overrides, optimizer=optimizer)
+    step = run_step(model, m, sp.params, sp.inputs, sp.optimizer_state, sp.activations if constrain else None,
+                    overrides=overrides, optimizer=optimizer, plain_layer_norm=plain_layer_norm)
     xla: dict[str, int] = defaultdict(int)
     for c in step.collectives:
         xla[c.kind] += c.bytes
     return Calibration(model, mesh, schedule, predicted, dict(as_cpu), dict(xla), report.peak_memory_bytes,
-                       step.memory_total, step.loss, step.compile_s)
+                       step.memory_total, step.loss, step.compile_s, step.memory_breakdown, constrain,
+                       plain_layer_norm)

@@ -10,6 +10,19 @@ The parameters, inputs and optimizer states get `xs.mark_sharding` with the give
 form: one entry per dim, None / axis / tuple of axes); the optimizer states are created up front (zeros,
 step 0) so that they can be sharded, and the optimizer runs with `capturable=True` so the whole step is one
 graph. The largest partitioned module of the dump is the step.
+
+How the step is set up, and why:
+- activation constraints: every module whose output is one value of the plan gets a forward hook that
+  applies `xs.mark_sharding_with_gradients` with that value's spec (`plan.PlanSpecs.activations`), so GSPMD
+  partitions activations and their gradients as the plan does; without them it shards by its own
+  heuristics, and uses mesh axes the plan leaves idle (docs/cost-model.md has both measurements);
+- gradients are dropped (`zero_grad(set_to_none=True)`) before the step is compiled: a kept `.grad` is an
+  output of the step, and torch_xla also materialises the pre-view base of each one (twice the gradient
+  bytes as live-out buffers);
+- tied parameters stay tied: `Module.to(xla)` makes a new Parameter per module;
+- `nn.LayerNorm` runs as reductions over its normalized dims (`plain_layer_norm`): torch_xla lowers
+  `native_layer_norm` to batch-norm-training over a [1, B*T, D] reshape and GSPMD all-gathers the batch
+  around it, forward and backward.
 """
 
 from __future__ import annotations
@@ -22,7 +35,13 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from partir_torch.backends.hlo import HloCollective, find_step_module, read_collectives, read_memory_total
+from partir_torch.backends.hlo import (
+    HloCollective,
+    find_step_module,
+    read_collectives,
+    read_memory_breakdown,
+    read_memory_total,
+)
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
 
@@ -39,6 +58,7 @@ class XlaStep:
     hlo_path: str
     compile_s: float
     params_after: dict[str, list] | None = None
+    memory_breakdown: dict[str, int] | None = None
 
 
 def run_step(
@@ -47,6 +67,7 @@ def run_step(
     param_specs: dict[str, list],
     input_specs: list[list | None] | None = None,
     state_specs: dict[str, dict[str, list]] | None = None,
+    activation_specs: dict[str, list] | None = None,
     *,
     overrides: dict[str, str] | None = None,
     optimizer: str = "adamw",
@@ -54,11 +75,14 @@ def run_step(
     dump_dir: str | None = None,
     timeout: float = 900,
     return_params: bool = False,
+    plain_layer_norm: bool = True,
 ) -> XlaStep:
-    dump_dir = dump_dir or tempfile.mkdtemp(prefix="partir-xla-")
+    dump_dir = tempfile.mkdtemp(prefix="partir-xla-", dir=dump_dir)  # fresh: the largest module is the step
     job = {"model": model, "overrides": overrides or {}, "mesh": list(mesh.axes), "params": param_specs,
-           "inputs": input_specs, "states": state_specs or {}, "optimizer": optimizer, "seed": seed,
-           "dump": dump_dir, "return_params": return_params}
+           "inputs": input_specs, "states": state_specs or {},
+           "activations": activation_specs or {}, "optimizer": optimizer, "seed": seed,
+           "dump": dump_dir, "return_params": return_params,
+           "plain_layer_norm": plain_layer_norm}
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(mesh.devices),
            "XLA_FLAGS": f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$",
            "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -70,13 +94,51 @@ def run_step(
     hlo, mem = find_step_module(dump_dir)
     return XlaStep(out["loss"], read_collectives(hlo.read_text(), list(mesh.axes)),
                    read_memory_total(mem.read_text()) if mem else None, str(hlo), out["compile_s"],
-                   out.get("params_after"))
+                   out.get("params_after"), read_memory_breakdown(mem.read_text()) if mem else None)
 
 
 def _spec(entry: list | None, n: int) -> tuple:
     if entry is None:
         return (None,) * n
     return tuple(tuple(e) if isinstance(e, list) else e for e in entry)
+
+
+def _to_keeping_ties(model, dev):
+    """`model.to(dev)`, with tied parameters still tied: moving to an XLA device makes a new Parameter per
+    module (no `set_data` across device types), so a tied LM head would become a second weight."""
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    model = model.to(dev)
+    for names in owners.values():
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            mod, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(mod), attr, first)
+    return model
+
+
+def _plain_layer_norms(model) -> None:
+    """torch_xla lowers `native_layer_norm` to batch-norm-training over a [1, B*T, D] reshape, and GSPMD then
+    all-gathers the batch around it (forward and backward). The same function written as reductions over the
+    normalized dims stays sharded like the rest of the step."""
+    import torch
+    from torch import nn
+
+    def forward(self, x):
+        dims = tuple(range(-len(self.normalized_shape), 0))
+        mu = x.mean(dims, keepdim=True)
+        xc = x - mu
+        y = xc * torch.rsqrt((xc * xc).mean(dims, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    for m in model.modules():
+        if type(m) is nn.LayerNorm:
+            m.forward = forward.__get__(m)
 
 
 def _worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -97,10 +159,22 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     shape = tuple(s for _, s in job["mesh"])
     mesh = xs.Mesh(np.arange(int(np.prod(shape))), shape, tuple(names))
     dev = torch_xla.device()
-    model = model.to(dev)
+    model = _to_keeping_ties(model, dev)
+    if job.get("plain_layer_norm", True):
+        _plain_layer_norms(model)
     params = dict(model.named_parameters())
     for n, p in params.items():
         xs.mark_sharding(p, mesh, _spec(job["params"].get(n), p.dim()))
+    def constrain_to(spec: tuple):
+        def hook(mod, args, out):
+            if isinstance(out, torch.Tensor) and out.dim() == len(spec):
+                return xs.mark_sharding_with_gradients(out, mesh, spec)
+            return None
+
+        return hook
+
+    for path, spec in job["activations"].items():  # module outputs and their gradients follow the plan
+        model.get_submodule(path).register_forward_hook(constrain_to(_spec(spec, len(spec))))
     xin = []
     for i, x in enumerate(inputs):
         x = x.to(dev)
@@ -128,6 +202,8 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     loss = loss_fn(model, *xin)
     loss.backward()
     opt.step()
+    if not job.get("keep_grads"):
+        opt.zero_grad(set_to_none=True)  # gradients are temporaries of the step, not outputs (see above)
     torch_xla.sync()
     value = float(loss.detach().cpu())
     out = {"loss": value, "compile_s": time.perf_counter() - t0}

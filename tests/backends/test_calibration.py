@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-from partir_torch.backends.hlo import read_collectives, read_memory_total
+from partir_torch.backends.hlo import read_collectives, read_memory_breakdown, read_memory_total
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
 
@@ -30,6 +30,14 @@ def test_hlo_reader_maps_replica_groups_to_mesh_axes():
         ("all-gather", ("model",), 1024), ("reduce-scatter", ("batch",), 256),
     ]
     assert read_memory_total("Total bytes used: 15532 (15.2KiB)\n") == 15532
+    report = """Total bytes used: 5632 (5.5KiB)
+allocation 0: size 2.0KiB, preallocated-temp:
+allocation 1: size 1.0KiB, parameter 3, shape |f32[16,16]| at ShapeIndex {}, maybe-live-out:
+allocation 2: size 2.0KiB, maybe-live-out:
+allocation 3: size 512B, thread-local:
+"""
+    assert read_memory_breakdown(report) == {"parameter": 1024, "output": 2048, "temp": 2048, "thread_local": 512,
+                                             "constant": 0}
 
 
 @pytest.mark.parametrize(
@@ -38,6 +46,7 @@ def test_hlo_reader_maps_replica_groups_to_mesh_axes():
         ("tiny-mlp", "batch:BatchParallel", {"all-reduce"}),
         ("tiny-mlp", "batch:BatchParallel;model:Megatron", {"all-reduce"}),
         ("tiny-llama", "batch:BatchParallel", {"all-reduce"}),
+        ("tiny-gpt2", "batch:BatchParallel", {"all-reduce"}),
     ],
 )
 def test_collective_bytes_match_xla(model, schedule, expect):
@@ -47,15 +56,16 @@ def test_collective_bytes_match_xla(model, schedule, expect):
     assert set(c.xla) == set(c.as_cpu) == expect
     for kind in expect:
         assert c.as_cpu[kind] == pytest.approx(c.xla[kind], rel=0.01), (kind, c.as_cpu, c.xla)
-    # memory: our liveness peak is below XLA CPU's buffer total (see docs/cost-model.md); pin the band
-    assert 0.6 <= c.predicted_memory / c.xla_memory <= 1.0
+    # memory: our liveness peak against XLA CPU's buffer-assignment total, within the issue's 25 %
+    assert 0.75 <= c.predicted_memory / c.xla_memory <= 1.25, (c.predicted_memory, c.xla_memory)
 
 
 def test_known_deviation_layernorm_all_gathers_the_batch():
-    """GPT-2's LayerNorm becomes batch-norm-training in torch_xla; GSPMD all-gathers the batch around it."""
+    """torch_xla's own LayerNorm becomes batch-norm-training; GSPMD all-gathers the batch around it. The
+    backend runs LayerNorm as reductions instead (plain_layer_norm), which XLA keeps sharded."""
     from partir_torch.backends.calibrate import calibrate
 
-    c = calibrate("tiny-gpt2", "batch=2,model=4", "batch:BatchParallel")
+    c = calibrate("tiny-gpt2", "batch=2,model=4", "batch:BatchParallel", plain_layer_norm=False)
     assert c.as_cpu["all-reduce"] == pytest.approx(c.xla["all-reduce"], rel=0.01)
     assert "all-gather" not in c.as_cpu and c.xla.get("all-gather", 0) > 0
 
