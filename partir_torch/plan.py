@@ -25,6 +25,7 @@ class PlanSpecs:
     inputs: list[Spec]
     optimizer_state: dict[str, dict[str, Spec]]  # per parameter, per per-parameter state
     activations: dict[str, Spec] = field(default_factory=dict)  # module path -> spec of its output
+    grads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec of its gradient
 
 
 def module_outputs(program) -> dict[str, int]:
@@ -77,6 +78,7 @@ def specs(state: ShardingState) -> PlanSpecs:
                 for n, st in p.opt_states.items()}),
         {k.removesuffix("."): spec for path, v in module_outputs(p).items()
          for k in full_names(path + ".", fold) for spec in [state.shard[v].to_spec()]},
+        expand({n: state.shard[v].to_spec() for n, v in p.grads.items()}),
     )
 
 

@@ -65,6 +65,7 @@ def calibrate(model: str, mesh: str, schedule: str, *, overrides: dict[str, str]
         as_cpu["all-reduce" if k == "reduce-scatter" else k] += b
     sp = specs(state)
     step = run_step(model, m, sp.params, sp.inputs, sp.optimizer_state, sp.activations if constrain else None,
+                    sp.grads if constrain else None,
                     overrides=overrides, optimizer=optimizer, plain_layer_norm=plain_layer_norm)
     xla: dict[str, int] = defaultdict(int)
     for c in step.collectives:

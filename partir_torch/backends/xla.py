@@ -15,7 +15,8 @@ How the step is set up, and why:
 - activation constraints: every module whose output is one value of the plan gets a forward hook that
   applies `xs.mark_sharding_with_gradients` with that value's spec (`plan.PlanSpecs.activations`), so GSPMD
   partitions activations and their gradients as the plan does; without them it shards by its own
-  heuristics, and uses mesh axes the plan leaves idle (docs/cost-model.md has both measurements);
+  heuristics, and uses mesh axes the plan leaves idle (docs/cost-model.md has both measurements); each
+  parameter's gradient gets its spec (`PlanSpecs.grads`) in a tensor hook, so it is reduced as planned;
 - gradients are dropped (`zero_grad(set_to_none=True)`) before the step is compiled: a kept `.grad` is an
   output of the step, and torch_xla also materialises the pre-view base of each one (twice the gradient
   bytes as live-out buffers);
@@ -68,6 +69,7 @@ def run_step(
     input_specs: list[list | None] | None = None,
     state_specs: dict[str, dict[str, list]] | None = None,
     activation_specs: dict[str, list] | None = None,
+    grad_specs: dict[str, list] | None = None,
     *,
     overrides: dict[str, str] | None = None,
     optimizer: str = "adamw",
@@ -80,7 +82,7 @@ def run_step(
     dump_dir = tempfile.mkdtemp(prefix="partir-xla-", dir=dump_dir)  # fresh: the largest module is the step
     job = {"model": model, "overrides": overrides or {}, "mesh": list(mesh.axes), "params": param_specs,
            "inputs": input_specs, "states": state_specs or {},
-           "activations": activation_specs or {}, "optimizer": optimizer, "seed": seed,
+           "activations": activation_specs or {}, "grads": grad_specs or {}, "optimizer": optimizer, "seed": seed,
            "dump": dump_dir, "return_params": return_params,
            "plain_layer_norm": plain_layer_norm}
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(mesh.devices),
@@ -175,6 +177,16 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
 
     for path, spec in job["activations"].items():  # module outputs and their gradients follow the plan
         model.get_submodule(path).register_forward_hook(constrain_to(_spec(spec, len(spec))))
+
+    def grad_to(spec: tuple):
+        def hook(g):
+            xs.mark_sharding(g, mesh, spec)
+
+        return hook
+
+    for n, spec in job.get("grads", {}).items():  # parameter gradients as the plan reduces them
+        if n in params and spec is not None:
+            params[n].register_hook(grad_to(_spec(spec, params[n].dim())))
     xin = []
     for i, x in enumerate(inputs):
         x = x.to(dev)

@@ -45,6 +45,7 @@ allocation 3: size 512B, thread-local:
     [
         ("tiny-mlp", "batch:BatchParallel", {"all-reduce"}),
         ("tiny-mlp", "batch:BatchParallel;model:Megatron", {"all-reduce"}),
+        ("tiny-mlp", "batch:BatchParallel;model:Megatron;batch:ZeRO(1)", {"all-reduce", "all-gather"}),
         ("tiny-llama", "batch:BatchParallel", {"all-reduce"}),
         ("tiny-gpt2", "batch:BatchParallel", {"all-reduce"}),
     ],
