@@ -17,13 +17,15 @@ import argparse
 import json
 from pathlib import Path
 
+WIDER_GPT = "tiny-gpt2:width=256,heads=8,seq=128,batch=8,vocab=1024"  # activations outweigh the weights
 PLANS = ["batch:BatchParallel", "batch:BatchParallel;model:Megatron",
          "batch:BatchParallel;model:Megatron;batch:ZeRO(1)", "batch:FSDP"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="*", default=["tiny-mlp", "tiny-gpt2", "tiny-llama"])
+    ap.add_argument("--models", nargs="*", default=["tiny-mlp", "tiny-gpt2", "tiny-llama", WIDER_GPT],
+                    help="zoo names, optionally with overrides: name:key=value,key=value")
     ap.add_argument("--mesh", default="batch=2,model=4")
     ap.add_argument("--no-constrain", action="store_true", help="parameters, inputs and states only")
     ap.add_argument("--native-layer-norm", action="store_true", help="torch_xla's own LayerNorm lowering")
@@ -37,10 +39,14 @@ def main() -> None:
     from partir_torch.backends.calibrate import calibrate
 
     rows = []
-    for m in args.models:
+    for spec in args.models:
+        m, _, ov = spec.partition(":")
+        overrides = dict(kv.split("=", 1) for kv in ov.split(",")) if ov else None
         for plan in PLANS:
-            rows.append(calibrate(m, args.mesh, plan, constrain=not args.no_constrain,
-                                  plain_layer_norm=not args.native_layer_norm).to_json())
+            r = calibrate(m, args.mesh, plan, overrides=overrides, constrain=not args.no_constrain,
+                          plain_layer_norm=not args.native_layer_norm).to_json()
+            r["model"] = spec if len(spec) < 20 else f"{m} ({ov})"
+            rows.append(r)
     t = Table(title=f"cost model vs XLA (CPU, {args.mesh}{variant}); bytes per device; predicted / XLA")
     for c in ("model", "plan", "all-reduce", "all-gather", "all-to-all", "coll.-permute", "memory"):
         t.add_column(c)

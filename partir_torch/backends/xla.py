@@ -143,6 +143,30 @@ def _plain_layer_norms(model) -> None:
             m.forward = forward.__get__(m)
 
 
+def _einsum_attention() -> None:
+    """torch_xla runs `F.scaled_dot_product_attention` as matmuls over a [B*H, T, d] reshape, and GSPMD loses
+    the head sharding there (Megatron's attention then runs every head on every device). The same math as
+    einsums over [B, H, T, d] keeps batch and heads as batch dims of the dot."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if dropout_p or enable_gqa:
+            raise NotImplementedError("einsum attention: dropout and enable_gqa are not supported")
+        scores = torch.einsum("...qd,...kd->...qk", q, k) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+        if is_causal:
+            rows = torch.arange(q.shape[-2], device=q.device).unsqueeze(1)
+            cols = torch.arange(k.shape[-2], device=q.device).unsqueeze(0)
+            scores = scores.masked_fill(cols > rows, float("-inf"))
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+        return torch.einsum("...qk,...kd->...qd", torch.softmax(scores, dim=-1), v)
+
+    F.scaled_dot_product_attention = sdpa
+
+
 def _worker(job: dict[str, Any]) -> dict[str, Any]:
     import time
 
@@ -164,6 +188,8 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     model = _to_keeping_ties(model, dev)
     if job.get("plain_layer_norm", True):
         _plain_layer_norms(model)
+    if job.get("einsum_attention", True):
+        _einsum_attention()
     params = dict(model.named_parameters())
     for n, p in params.items():
         xs.mark_sharding(p, mesh, _spec(job["params"].get(n), p.dim()))
