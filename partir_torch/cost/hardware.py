@@ -8,7 +8,9 @@ Figures are per chip / per GPU, dense, from the vendors' public spec sheets (see
 - A100 80GB SXM: 312 TFLOP/s bf16, 80 GB at ~2.0 TB/s, NVLink3 600 GB/s bidirectional; IB HDR 200 Gb/s per GPU.
 - H100 SXM: 989 TFLOP/s bf16, 80 GB at ~3.35 TB/s, NVLink4 900 GB/s bidirectional; IB NDR 400 Gb/s per GPU.
 - H200 SXM: 989 TFLOP/s bf16, 141 GB at ~4.8 TB/s, NVLink4 900 GB/s bidirectional; IB NDR 400 Gb/s per GPU.
-- cpu-virtual: the 8-device CPU mesh of tests and the demo; times mean nothing, bytes are exact.
+- cpu-virtual: the 8-device CPU mesh of tests and the demo; times mean nothing, bytes are exact. Attention
+  there is plain math (torch_xla on the CPU has no flash kernel); the accelerator presets assume a flash
+  kernel (cuDNN / FlashAttention on GPUs, a Pallas kernel on TPUs): `flash_attention=False` overrides.
 Link bandwidth here is the one-direction bandwidth a ring collective on one mesh axis can use per device
 (half of a bidirectional NVLink figure; a TPU's ICI split over its torus dimensions is approximated by the
 per-chip figure / 2). fp32 peak is taken as half of bf16 on TPUs (MXU passes) and from the spec sheet on GPUs
@@ -42,11 +44,17 @@ class Hardware:
     max_fast_devices: int  # devices one fast domain holds (a TPU slice, an NVLink node)
     matmul_efficiency: float = 0.6  # fraction of peak a large matmul reaches (documented in docs/cost-model.md)
     launch_floor: float = 2e-6  # s, the least an op costs
+    # attention runs as a flash kernel (saves the log-sum-exp for the backward) or as plain math (saves the
+    # [B, H, T, S] probabilities): torch_xla's SDPA has no flash kernel unless one is called explicitly
+    flash_attention: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name != "name" and (not isinstance(v, (int, float)) or v <= 0):
+            if f.name == "flash_attention":
+                if not isinstance(v, bool):
+                    raise HardwareError(f"hardware {self.name!r}: flash_attention must be True or False, got {v!r}")
+            elif f.name != "name" and (not isinstance(v, (int, float)) or v <= 0):
                 raise HardwareError(f"hardware {self.name!r}: {f.name} must be a positive number, got {v!r}")
         if self.matmul_efficiency > 1:
             raise HardwareError(f"hardware {self.name!r}: matmul_efficiency is a fraction of peak, got {self.matmul_efficiency}")
@@ -69,7 +77,7 @@ PRESETS: dict[str, Hardware] = {
         Hardware("a100-80gb", 312 * TB, 156 * TB, 80 * GB, 2.0 * TB, 300 * GB, 8e-6, _gbps(200), 2e-5, 8),
         Hardware("h100-sxm", 989 * TB, 494.5 * TB, 80 * GB, 3.35 * TB, 450 * GB, 8e-6, _gbps(400), 2e-5, 8),
         Hardware("h200-sxm", 989 * TB, 494.5 * TB, 141 * GB, 4.8 * TB, 450 * GB, 8e-6, _gbps(400), 2e-5, 8),
-        Hardware("cpu-virtual", 1e11, 1e11, 16 * GiB, 2e10, 1e10, 1e-5, 1e9, 1e-4, 64),
+        Hardware("cpu-virtual", 1e11, 1e11, 16 * GiB, 2e10, 1e10, 1e-5, 1e9, 1e-4, 64, flash_attention=False),
     ]
 }
 

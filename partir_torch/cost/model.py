@@ -17,8 +17,10 @@ Step time = compute + communication (no overlap is modelled: an upper bound; see
 Memory, per device, by liveness over the op order: parameters, buffers, optimizer states and inputs live
 the whole step; updated values reuse their input's buffer (donation); gradients and activations live from
 their producing op to their last use; views (transposes, reshapes, broadcasts) alias their base; a
-collective's output buffer is a temporary at the op that needs it. The peak and its top contributors are
-reported; a plan above the device memory (or the user's limit) is infeasible.
+collective's output buffer is a temporary at the op that needs it; attention saves its log-sum-exp for the
+backward (a flash kernel) or, on hardware without one (`Hardware.flash_attention`), its [B, H, T, S]
+probabilities. The peak and its top contributors are reported; a plan above the device memory (or the
+user's limit) is infeasible.
 
 Evaluation is incremental (the search evaluates thousands of states that differ by one action). What does
 not depend on the sharding is computed once per program (`_Static`: each op's tensors, fold weights, the
@@ -141,6 +143,8 @@ _FLOP_TARGETS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "a
                  "aten.convolution_backward.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
                  "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"}  # op_flops' non-zero targets
 _KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
+_ATTENTION = {"aten._scaled_dot_product_flash_attention_for_cpu.default",
+              "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default"}
 
 
 class _Static:
@@ -279,10 +283,17 @@ class _Static:
             m_prod.append(v.producer)
             m_end.append(end)
             m_extra.append(start)
+        # without a flash kernel, attention saves its [B, H, T, S] probabilities for the backward: counted as
+        # S times the [B, H, T] log-sum-exp the flash op saves (same sharding, its local bytes times S)
+        self.attn_scale = np.ones(n_vals, dtype=np.int64)
+        for op in ops:
+            if op.target in _ATTENTION and len(op.outputs) > 1 and op.outputs[1] >= 0:
+                self.attn_scale[op.outputs[1]] = vals[op.inputs[1]].shape[-2]
         order = np.argsort(np.array(ev_pos, dtype=np.int64), kind="stable")
         pos = np.array(ev_pos, dtype=np.int64)[order]
         self.ev_vid = np.array(ev_vid, dtype=np.int64)[order]
         self.ev_coef = np.array(ev_coef, dtype=np.int64)[order]
+        self.ev_coef_math = self.ev_coef * self.attn_scale[self.ev_vid]
         self.upto = np.searchsorted(pos, np.arange(n_ops), side="right")  # the events at positions <= op i
         self.m_vid = np.array(m_vid, dtype=np.int64)
         self.m_pers = np.array(m_pers, dtype=bool)
@@ -728,7 +739,7 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
     peak, peak_at = base, -1
     if n_ops:
         cs0 = np.zeros(len(st.ev_vid) + 1, dtype=np.int64)
-        np.cumsum(lb[st.ev_vid] * st.ev_coef, out=cs0[1:])
+        np.cumsum(lb[st.ev_vid] * (st.ev_coef if hw.flash_attention else st.ev_coef_math), out=cs0[1:])
         cur = cs0[st.upto]
         cur += temps
         i = int(np.argmax(cur))  # the first maximum
@@ -747,6 +758,8 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
     nz = np.flatnonzero(mlb)
     vid, copies, codes = vid[nz], copies[nz], codes[nz]
     b = mlb[nz] * copies
+    if not hw.flash_attention:
+        b = b * st.attn_scale[vid]
     roles: dict[str, int] = {}
     if len(b):
         if int(b.sum()) < 2**53:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -24,6 +26,8 @@ def test_presets_and_overrides():
         hardware("h100-sxm", memory=-1)
     with pytest.raises(HardwareError, match=r"unknown hardware figure\(s\) \['flops'\]"):
         hardware("h100-sxm", flops=1.0)
+    with pytest.raises(HardwareError, match=r"flash_attention must be True or False, got 1"):
+        hardware("h100-sxm", flash_attention=1)
 
 
 def test_alpha_beta_ring_formulas():
@@ -83,6 +87,27 @@ def test_memory_accounts_sharding():
     assert dp.feasible and "peak memory per device" in str(dp)
     tight = evaluate(apply_schedule(p, Mesh.parse("batch=4"), "batch:BatchParallel"), hw, memory_limit=1024)
     assert not tight.feasible and "DOES NOT FIT" in str(tight)
+
+
+def test_attention_without_flash_kernel_saves_probabilities():
+    """Without a flash kernel the [B, H, T, S] probabilities are saved instead of the [B, H, T] log-sum-exp:
+    the peak (at the loss, where every layer's saved tensors are live) grows by exactly (S - 1) times the
+    local log-sum-exp bytes of every attention, and a head-sharded plan saves a quarter of that."""
+    model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
+    p = capture(model, inputs, loss_fn, "adamw")
+    attn = [op for op in p.ops if op.target == "aten._scaled_dot_product_flash_attention_for_cpu.default"]
+    assert len(attn) == 2
+    growth = {}
+    for name, schedule in (("dp", "batch:BatchParallel"), ("megatron", "batch:BatchParallel;model:Megatron")):
+        state = apply_schedule(p, Mesh.parse("batch=2,model=4"), schedule)
+        flash = evaluate(state, hardware("cpu-virtual", flash_attention=True))
+        math_ = evaluate(state, hardware("cpu-virtual"))
+        lse = sum(math.prod(state.shard[op.outputs[1]].local_shape(p.values[op.outputs[1]].shape, state.mesh))
+                  * 4 * (p.values[op.inputs[1]].shape[-2] - 1) for op in attn)
+        growth[name] = math_.peak_memory_bytes - flash.peak_memory_bytes
+        assert growth[name] == lse, (name, growth[name], lse)
+        assert flash.step_time_s == math_.step_time_s
+    assert growth["megatron"] * 4 == growth["dp"]
 
 
 def _report(r) -> tuple:
