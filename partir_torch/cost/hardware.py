@@ -82,6 +82,22 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
+def check_mesh(hw: Hardware, axes: dict[str, int] | list[tuple[str, int]], dcn_axes=frozenset()) -> None:
+    """The axes not marked as crossing slices / nodes form one fast domain (a TPU slice, an NVLink node): their
+    devices must fit in one (`max_fast_devices`), or the link figures of the fast axes would not hold."""
+    items = list(axes.items()) if isinstance(axes, dict) else list(axes)
+    fast = [(a, n) for a, n in items if a not in dcn_axes]
+    total = 1
+    for _, n in fast:
+        total *= n
+    if total > hw.max_fast_devices:
+        desc = " x ".join(f"{a}={n}" for a, n in fast)
+        raise HardwareError(
+            f"the mesh axes {desc} span {total} devices over {hw.name}'s fast links, but one fast domain (a TPU "
+            f"slice / an NVLink node) holds {hw.max_fast_devices}; mark the axes that cross slices or nodes, "
+            f"e.g. `{fast[0][0]}={fast[0][1]}:dcn`, or override max_fast_devices")
+
+
 def hardware(name: str | Hardware, **overrides: float) -> Hardware:
     """A preset by name, with any figure overridden (`memory=16 * 2**30`, `link_bandwidth=...`)."""
     hw = name if isinstance(name, Hardware) else PRESETS.get(name)

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from partir_torch.capture.fold import weights
-from partir_torch.cost.hardware import Hardware
+from partir_torch.cost.hardware import Hardware, check_mesh
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Phase, Role
 from partir_torch.ir.sharding import Sharding
@@ -464,6 +464,14 @@ class _Memo:
         return self.times[1]
 
 
+_CHECKED: dict[Mesh, set] = {}
+
+
+def memo_checked(mesh: Mesh) -> set:
+    """(fast-domain size, DCN axes) pairs `check_mesh` accepted for `mesh`: checked once, not per state."""
+    return _CHECKED.setdefault(mesh, set())
+
+
 def clear_memo(program) -> None:
     """Forget the results memoized for `program` (the next evaluations compute them again; for benchmarks
     and tests). The per-program tables and the states' own caches stay valid."""
@@ -675,6 +683,9 @@ def evaluate(state: ShardingState, hw: Hardware, *, dcn_axes: frozenset[str] = f
 
 
 def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memory_limit: float | None) -> CostReport:
+    if (hw.max_fast_devices, dcn_axes) not in memo_checked(state.mesh):
+        check_mesh(hw, state.mesh.axes, dcn_axes)
+        memo_checked(state.mesh).add((hw.max_fast_devices, dcn_axes))
     st, memo = _tables(state)
     cache = _refresh(state, st, memo)
     n_ops = st.n_ops

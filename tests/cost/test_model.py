@@ -30,6 +30,17 @@ def test_presets_and_overrides():
         hardware("h100-sxm", flash_attention=1)
 
 
+def test_mesh_larger_than_a_fast_domain_is_an_error():
+    model, inputs, loss_fn = models.build("tiny-mlp", device="meta")
+    p = capture(model, inputs, loss_fn, "adamw")
+    state = apply_schedule(p, Mesh.parse("batch=4,model=4"), "batch:BatchParallel")
+    with pytest.raises(HardwareError, match=r"batch=4 x model=4 span 16 devices over h100-sxm's fast links, but "
+                       r"one fast domain .* holds 8; mark the axes that cross slices or nodes, e.g. `batch=4:dcn`"):
+        evaluate(state, hardware("h100-sxm"))
+    assert evaluate(state, hardware("h100-sxm"), dcn_axes=frozenset({"batch"})).feasible  # 4 nodes of 4 GPUs
+    assert evaluate(state, hardware("tpu-v5e")).feasible  # 16 chips in one slice
+
+
 def test_alpha_beta_ring_formulas():
     def c(kind):
         return Collective(kind, "x", 1000, 0, 0, "", "")
