@@ -1,6 +1,6 @@
 """Search against expert plans and baselines, on the scenarios of issue [search] (S1-S7).
 
-    .venv/bin/python benchmarks/search.py [--budget 20s] [--seeds 5] [--only S1,S7] [--quick]
+    .venv/bin/python benchmarks/search.py [--budget 20s] [--seeds 5] [--only S1,S7] [--quick] [--ablation] [--e2e]
 
 Per scenario: the model is captured once (folded: two of N identical blocks, costed as all N), every
 applicable expert schedule is evaluated with the cost model, then MCTS (incremental, axis by axis, and
@@ -8,7 +8,19 @@ joint, and the default "both" that splits the budget between them and keeps the 
 greedy and beam search each get the same time budget. Reported: search time,
 episodes, estimated step time and peak memory, feasibility, and the ratio of the found plan's step time to
 the best feasible expert plan (target <= 1.01). MCTS is rerun with `--seeds` seeds (spread target <= 2 %).
+
+Ablation rows (with the full run, or `--ablation`), seed 0, same budget: what propagation-based pruning
+and goals buy. `mcts-noprune`: every syntactically possible action is offered, illegal ones expand to a
+no-op child, no transposition by shardings (`SearchConfig.prune=False`); `mcts-nogoals`: one joint tree
+over all axes, plain step-time reward with a memory penalty, no relaxed memory limit for earlier axes
+(`SearchConfig.goals=False`); `mcts-ablated`: both.
 Prints a table and writes benchmarks/results/search.json.
+
+`--e2e` (alone: it replaces the scenarios): the user's call, timed end to end. `partir_torch.search.search`
+on GPT-2 small (12 layers, batch 16 x seq 128, AdamW) on `{batch: 2, model: 4}`, capture included, each
+seed in a fresh process (so the first capture's one-time torch set-up is counted; the imports are not),
+with `--e2e-budget` for the search (default 9s, so that with the capture the call stays within 10 s), on tpu-v5e and
+cpu-virtual; the plan's step time is compared with the expert plans on the same folded program.
 """
 
 from __future__ import annotations
@@ -16,6 +28,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -70,14 +84,80 @@ def renamed_megatron(model_name, over, mesh, hw, dcn, budget) -> dict:
             "example_names": [n for n in plan.params][:3]}
 
 
+E2E = ("gpt2-small", {"batch": "16", "seq": "128"}, "batch=2,model=4", ("tpu-v5e", "cpu-virtual"))
+
+
+def e2e_child(hw: str, budget: str, seed: int) -> None:
+    """One cold `search()` call (capture included); prints its timing and plan cost as JSON."""
+    from partir_torch.search import search
+    from partir_torch.workload import load
+
+    model_name, over, mesh, _ = E2E
+    model, inputs, loss_fn = load(model_name, over)
+    t = time.perf_counter()
+    plan = search(model, inputs, mesh, loss_fn=loss_fn, optimizer="adamw", hardware=hw, budget=budget, seed=seed)
+    total = time.perf_counter() - t
+    print(json.dumps({"total_s": total, "search_s": plan.search["time_s"], "capture_and_rest_s": total - plan.search["time_s"],
+                      "episodes": plan.search["episodes"], "step_time_s": plan.cost["step_time_s"],
+                      "peak_memory_bytes": plan.cost["peak_memory_bytes"], "feasible": plan.cost["feasible"]}))
+
+
+def e2e(budget: str, seeds: int) -> dict:
+    from partir_torch import capture
+    from partir_torch.cli import parse_mesh
+    from partir_torch.cost import evaluate, hardware
+    from partir_torch.tactics import apply_schedule
+    from partir_torch.workload import load
+
+    model_name, over, mesh_text, hws = E2E
+    model, inputs, loss_fn = load(model_name, over)
+    program = capture(model, inputs, loss_fn, "adamw", fold=True)
+    mesh, _ = parse_mesh(mesh_text)
+    out = {"model": model_name, "overrides": over, "mesh": mesh_text, "budget": budget, "ops": len(program.ops)}
+    for hw in hws:
+        ex = {}
+        for ename, sched in experts(list(mesh.names)).items():
+            r = evaluate(apply_schedule(program, mesh, sched), hardware(hw))
+            ex[ename] = {"step_time_s": r.step_time_s, "feasible": r.feasible}
+        best_name, best = min(((k, v["step_time_s"]) for k, v in ex.items() if v["feasible"]), key=lambda kv: kv[1])
+        runs = []
+        for seed in range(seeds):
+            got = subprocess.run([sys.executable, __file__, "--e2e-child", hw, budget, str(seed)], capture_output=True,
+                                 text=True, check=True)
+            r = json.loads(got.stdout.strip().splitlines()[-1])
+            r["vs_best_expert"] = r["step_time_s"] / best if r["feasible"] else None
+            runs.append(r)
+            ratio = f"{r['vs_best_expert']:.3f}" if r["vs_best_expert"] else "(does not fit)"
+            print(f"E2E {hw} seed {seed}: search() {r['total_s']:.2f} s in all ({r['search_s']:.2f} s searching, "
+                  f"{r['episodes']} episodes), {r['step_time_s'] * 1e3:.2f} ms = {ratio} x best expert "
+                  f"{best_name} {best * 1e3:.2f} ms", flush=True)
+        out[hw] = {"experts": ex, "best_expert": best_name, "best_expert_s": best, "runs": runs,
+                   "max_total_s": max(r["total_s"] for r in runs),
+                   "worst_vs_best_expert": max(r["vs_best_expert"] or float("inf") for r in runs)}
+    return out
+
+
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--e2e-child":
+        e2e_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", default="20s")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--only", default="")
     ap.add_argument("--quick", action="store_true", help="MCTS only (incremental and joint), one seed")
+    ap.add_argument("--ablation", action="store_true", help="add the ablation rows to --quick (always in a full run)")
+    ap.add_argument("--e2e", action="store_true", help="time search() on GPT-2 small, capture included (only that)")
+    ap.add_argument("--e2e-budget", default="9s")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "search.json"))
     args = ap.parse_args()
+    if args.e2e:
+        res = e2e(args.e2e_budget, args.seeds)
+        prev = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+        prev["E2E"] = res
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(prev, indent=1))
+        return
 
     from partir_torch import capture
     from partir_torch.cli import parse_mesh
@@ -113,18 +193,21 @@ def main() -> None:
                 row["experts"][ename] = rec(apply_schedule(program, mesh, sched), {"schedule": sched})
             except Exception as e:  # an expert plan that cannot apply here (e.g. no linear pairs)
                 row["experts"][ename] = {"error": str(e), "schedule": sched}
-        runs = [("mcts", "both", s) for s in range(1 if args.quick else args.seeds)]  # the default
+        # (algorithm, mode, seed, prune, goals, row name)
+        runs = [("mcts", "both", s, True, True, f"mcts-both-seed{s}") for s in range(1 if args.quick else args.seeds)]
         if len(mesh.names) > 1:
-            runs += [("mcts", "incremental", 0), ("mcts", "joint", 0)]
+            runs += [("mcts", m, 0, True, True, f"mcts-{m}") for m in ("incremental", "joint")]
+        if not args.quick or args.ablation:
+            runs += [("mcts", "both", 0, False, True, "mcts-noprune"), ("mcts", "both", 0, True, False, "mcts-nogoals"),
+                     ("mcts", "both", 0, False, False, "mcts-ablated")]
         if not args.quick:
-            runs += [("random", "incremental", 0), ("greedy", "incremental", 0), ("beam", "incremental", 0)]
-        for algo, mode, seed in runs:
-            cfg = SearchConfig(hw, frozenset(dcn), None, seed, Budget.parse(args.budget), algo)
+            runs += [(a, "incremental", 0, True, True, f"{a}-incremental") for a in ("random", "greedy", "beam")]
+        for algo, mode, seed, prune, goals, key in runs:
+            cfg = SearchConfig(hw, frozenset(dcn), None, seed, Budget.parse(args.budget), algo, prune=prune, goals=goals)
             t1 = time.perf_counter()
             state = apply_schedule(program, mesh, [Auto(None, "time", mode)], search=cfg)
             el = time.perf_counter() - t1
             st = summarize_log(cfg.log) or {}
-            key = f"{algo}-{mode}" + (f"-seed{seed}" if algo == "mcts" and mode == "both" else "")
             row["search"][key] = rec(state, {"time_s": el, "episodes": st.get("episodes"),
                                              "evaluations": st.get("evaluations"),
                                              "actions": [a for e in cfg.log if e.get("chosen", True)

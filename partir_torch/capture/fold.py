@@ -15,6 +15,10 @@ Costs of the full model from the folded program (`weights`):
 Optimizer ops and gradient accumulations carry no module; they belong to the element of their newest
 input (the branch just computed; for the optimizer, the gradient or state of the parameter it updates). `tests/capture/test_fold.py` compares folded against full costs.
 
+When the model's forward cannot run with some container cut (it indexes a block by number, or pops a
+stack once per block, as the U-Net's decoder pops its skip connections), capture leaves that container
+whole and folds the others (`folded(..., only=...)`, `capture.trace._capture_folded`).
+
 The folded module shares the user's parameters (a shallow copy of the module tree); the user's model is
 never modified.
 """
@@ -27,13 +31,18 @@ import re
 import torch.nn as nn
 
 from partir_torch.capture.groups import _signatures
-from partir_torch.ir.program import Program, Role
+from partir_torch.ir.program import Phase, Program, Role
 
 KEEP = 2
 
 
-def folded(model: nn.Module, *, min_repeats: int = 3) -> tuple[nn.Module, dict[str, int]]:
-    """(a view of `model` with each run of identical container elements cut to two, {container: N})."""
+def folded(model: nn.Module, *, min_repeats: int = 3, only: set[str] | frozenset[str] | None = None
+           ) -> tuple[nn.Module, dict[str, int]]:
+    """(a view of `model` with each run of identical container elements cut to two, {container: N}).
+
+    `only`: fold just these containers (paths), leave every other one whole (`capture` uses it when the
+    model's forward cannot run with some container cut, see `capture.trace`).
+    """
     sigs = _signatures(model)
     repeats: dict[str, int] = {}
 
@@ -47,7 +56,7 @@ def folded(model: nn.Module, *, min_repeats: int = 3) -> tuple[nn.Module, dict[s
             new = visit(child, f"{path}.{name}" if path else name)
             children[name] = new
             changed |= new is not child
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= min_repeats:
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= min_repeats and (only is None or path in only):
             paths = [f"{path}.{k}" if path else k for k in mod._modules]
             if len({sigs.get(p) for p in paths}) == 1:
                 children = dict(list(children.items())[:KEEP])
@@ -93,7 +102,7 @@ def weights(program: Program) -> tuple[list[int], list[int]]:
     cached = getattr(program, "_fold_weights", None)
     if cached is not None:
         return cached
-    vals = program.values
+    vals, ops = program.values, program.ops
     own = [1] * n_vals  # the weight of the element a value belongs to
     for v in vals:
         if v.producer < 0 or v.role in (Role.GRADIENT, Role.OPT_STATE, Role.PARAMETER):
@@ -105,7 +114,14 @@ def weights(program: Program) -> tuple[list[int], list[int]]:
             w = _element_weight(op.module, fold)
         else:  # optimizer or unattributed (gradient accumulation) op: the element of its newest input
             made = [i for i in op.inputs if vals[i].producer >= 0]
-            w = own[max(made, key=lambda i: vals[i].producer)] if made else max((own[i] for i in op.inputs), default=1)
+            newest = max(made, key=lambda i: vals[i].producer) if made else None
+            w = own[newest] if made else max((own[i] for i in op.inputs), default=1)
+            if newest is not None and ops[vals[newest].producer].module is None and op.phase is Phase.BACKWARD:
+                # the newest input is itself a finished accumulation that reached this one through an identity
+                # backward (a residual add): it is the gradient of a block's input passed on to the value
+                # before it, which is accumulated once when that value also feeds something outside the
+                # block (a skip connection): the element of the partial sum it joins, not of the block
+                w = min(own[i] for i in made)
         op_w[op.id] = w
         for o in op.outputs:
             if o >= 0:

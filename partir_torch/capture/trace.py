@@ -54,25 +54,14 @@ def capture(
     `mode` is "train" (default when `loss_fn` is given) or "inference" (the forward pass `model(*inputs)`
     only). The model and optimizer are only read: on success and on failure they are left as they were.
     `fold=True` captures two of every N identical container elements and records N in `program.fold`
-    (see `capture/fold.py`): what the search uses on deep models. If the folded model cannot be captured
-    (e.g. its forward indexes a block by number), the full model is captured, with a warning.
+    (see `capture/fold.py`): what the search uses on deep models. A container whose cut forward cannot be
+    captured (e.g. the forward indexes a block by number) is left whole, with a warning, and the others are
+    still folded (`_capture_folded`); with none left, the full model is captured.
     """
     if fold:
-        view, repeats = folded(model)
-        if repeats:
-            fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-            level = fake_log.level
-            fake_log.setLevel(logging.CRITICAL)  # a failed folded trace is expected for some models: not an error
-            try:
-                program = capture(view, example_inputs, loss_fn, optimizer, mode=mode, _strict=False)
-            except CaptureError as e:
-                log.warning("could not capture the folded model (%s); capturing all %s layers", e,
-                            ", ".join(f"{n} of {p}" for p, n in repeats.items()))
-            else:
-                program.fold = repeats
-                return program
-            finally:
-                fake_log.setLevel(level)
+        program = _capture_folded(model, example_inputs, loss_fn, optimizer, mode)
+        if program is not None:
+            return program
     t0 = time.perf_counter()
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     if not isinstance(model, nn.Module):
@@ -201,6 +190,53 @@ def capture(
 
 # -- functional form ---------------------------------------------------------------------------------------
 aten = torch.ops.aten
+
+
+def _capture_folded(model, example_inputs, loss_fn, optimizer, mode) -> Program | None:
+    """The folded capture (`capture/fold.py`), container by container: if the model with every repeated
+    container cut to two cannot be captured (its forward indexes a block by number, or pops a stack of skip
+    connections once per block), the containers are tried one at a time, the one holding the most
+    parameters first, each kept if the model still captures with it and those kept before cut; the others
+    stay whole. None when no container folds (the caller captures the full model)."""
+    _, repeats = folded(model)
+    if not repeats:
+        return None
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # a failed folded trace is expected for some models: not an error
+
+    def attempt(only: set[str] | None, new: str | None = None) -> tuple[Program | None, Exception | None]:
+        view, rep = folded(model, only=only)
+        if new is not None and new not in rep:  # inside an element another fold already leaves out
+            return None, None
+        try:
+            program = capture(view, example_inputs, loss_fn, optimizer, mode=mode, _strict=False)
+        except CaptureError as e:
+            return None, e
+        program.fold = rep
+        return program, None
+
+    try:
+        program, err = attempt(None)
+        if program is not None:
+            return program
+        kept: set[str] = set()
+        if len(repeats) > 1:
+            def removed(path: str) -> int:  # parameters the fold of this container leaves out
+                mod = model.get_submodule(path) if path else model
+                return sum(p.numel() for m in list(mod)[2:] for p in m.parameters())
+
+            for c in sorted(repeats, key=lambda c: (-removed(c), c)):
+                trial, _ = attempt(kept | {c}, c)
+                if trial is not None:
+                    kept.add(c)
+                    program = trial
+        whole = ", ".join(f"{repeats[c]} of {c}" for c in repeats if c not in kept)
+        log.warning("could not capture the model with %s cut to two (%s); capturing all %s layers",
+                    "every repeated container" if len(repeats) > 1 else "its repeated container", err, whole)
+        return program
+    finally:
+        fake_log.setLevel(level)
 
 
 def _bn_legit(x, weight, bias, running_mean, running_var, training, momentum, eps):

@@ -43,6 +43,11 @@ class SearchConfig:
     budget: Budget = field(default_factory=Budget)
     algorithm: str = "mcts"
     progress: bool = False
+    # ablations (benchmarks/search.py): prune=False offers every syntactically possible action (no
+    # propagation-based pruning); goals=False searches all axes in one tree for the plain step time with a
+    # memory penalty (no per-axis goals, no relaxed memory limit for earlier axes, no goal's action kinds)
+    prune: bool = True
+    goals: bool = True
     log: list[dict[str, Any]] = field(default_factory=list)  # one entry per searched Auto (stats, actions)
 
 
@@ -75,6 +80,12 @@ class Auto:
         config = config or SearchConfig()
         axes = self.free_axes(state)
         if not axes:
+            return
+        if not config.goals:  # ablation: one joint tree, the plain reward, the full memory limit
+            res = run_search(state, axes, "time", config, config.budget, seed=config.seed)
+            config.log.append({"axes": list(axes), "goal": None, "algorithm": config.algorithm,
+                               "actions": [str(a) for a in res.actions], **res.stats.to_json()})
+            state.__dict__.update(res.state.copy().__dict__)
             return
         if self.mode == "both" and len(axes) > 1:
             # the two orders of search fall into different basins (benchmarks/search.py): run both, keep the better
@@ -110,10 +121,10 @@ class Auto:
 
 def run_search(state: ShardingState, axes: tuple[str, ...], goal: str, config: SearchConfig, budget: Budget,
                *, seed: int = 0) -> Result:
-    ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, goal)
+    ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, goal, goals=config.goals)
     kinds = KINDS[goal]
     if config.algorithm == "mcts":
-        return MCTS(state, ev, axes, kinds, seed=seed, progress=config.progress).run(budget)
+        return MCTS(state, ev, axes, kinds, seed=seed, progress=config.progress, prune=config.prune).run(budget)
     fn = ALGORITHMS.get(config.algorithm)
     if fn is None:
         raise PartirError(f"unknown search algorithm {config.algorithm!r}; known: mcts, {', '.join(ALGORITHMS)}")

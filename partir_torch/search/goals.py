@@ -8,6 +8,10 @@
 A plan that does not fit always ranks below one that does; among infeasible plans, less memory is better.
 The MCTS reward maps that order into numbers: a feasible plan scores 1 + t_ref / t (t its objective, t_ref
 the start state's), an infeasible one limit / peak, below 1.
+
+`goals=False` is the ablation of `benchmarks/search.py`: the reward is the plain step time with a memory
+penalty, t_ref / (t * max(1, peak / limit)), with no step between plans that fit and plans that do not
+(the answer is still the best plan in the order above: the search must return a plan that fits if it saw one).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Evaluator:
     dcn_axes: frozenset[str] = frozenset()
     memory_limit: float | None = None
     goal: str = "time"
+    goals: bool = True  # False: the plain penalized step-time reward (ablation)
     evaluations: int = 0
     cost_time_s: float = 0.0
     cache: dict = field(default_factory=dict)
@@ -71,6 +76,10 @@ class Evaluator:
         return k, r
 
     def reward(self, key: tuple, ref: tuple) -> float:
+        if not self.goals:  # key[2] is the step time (goal "time"); key[1] the peak memory when it does not fit
+            if key[2] <= 0:
+                return 1.0
+            return ref[2] / (key[2] * (max(1.0, key[1] / self.limit) if key[0] else 1.0))
         if key[0]:
             return min(self.limit / key[1], 0.999)
         return 1.0 + (ref[2] / key[2] if key[2] > 0 else 1.0)

@@ -16,6 +16,12 @@
     the answer is the best state ever scored, in the goal's order (anytime: the budget can end it at any
     episode). Deterministic for a seed under an episode budget; a time budget varies the episode count.
 
+`prune=False` is the ablation of `benchmarks/search.py` (what the propagation analysis buys): every
+syntactically possible action is offered (`candidates(..., prune=False)`), an illegal one expands to a
+child with its parent's plan (a no-op, scored like any node), and there is no transposition by shardings
+and no dropping of actions that change nothing: only action sets are merged (an action is not offered
+twice on one path).
+
 Refinement (the last `refine` share of the budget): rollouts leave incidental actions in the best plan, and
 the tree rarely reaches the last small improvement. So the best plan is (1) pruned: each action whose
 removal keeps the plan within `simplicity` (0.5 %) of the best step time found is dropped, and (2)
@@ -95,6 +101,7 @@ class _Node:
     state: ShardingState
     untried: list[Action]
     depth: int
+    acts: list[Action]  # the legal actions that made `state` from the root, in order
     children: list[tuple[Action, _Node]] = field(default_factory=list)
     n: int = 0
     q: float = 0.0
@@ -111,8 +118,8 @@ class Result:
 class MCTS:
     def __init__(self, root: ShardingState, evaluator: Evaluator, axes: tuple[str, ...], kinds: frozenset[str], *,
                  seed: int = 0, c: float = 0.5, rollout_depth: int = 3, p_stop: float = 0.3, max_depth: int = 12,
-                 simplicity: float = 0.005, progress: bool = False) -> None:
-        self.simplicity = simplicity
+                 simplicity: float = 0.005, progress: bool = False, prune: bool = True) -> None:
+        self.simplicity, self.prune = simplicity, prune
         self.ev, self.axes, self.kinds = evaluator, axes, kinds
         self.rng = random.Random(seed)
         self.c, self.rollout_depth, self.p_stop, self.max_depth = c, rollout_depth, p_stop, max_depth
@@ -122,7 +129,7 @@ class MCTS:
         p = root.program
         self._decided = [v.id for v in p.values if v.producer < 0]
         self.stats = Stats()
-        self.root = self._node(frozenset(), root, 0)
+        self.root = self._node(frozenset(), root, 0, [])
         self.ref, _ = self.ev.score(root, frozenset())
         self.best: tuple[tuple, ShardingState, list[Action]] = (self.ref, root, [])
 
@@ -131,13 +138,19 @@ class MCTS:
         sh, lk = state.shard, state.locked
         return hash(tuple((sh[v], lk[v]) for v in self._decided))
 
-    def _node(self, key: frozenset, state: ShardingState, depth: int) -> _Node:
-        untried = candidates(state, self.axes, self.kinds) if depth < self.max_depth else []
+    def _node(self, key: frozenset, state: ShardingState, depth: int, acts: list[Action]) -> _Node:
+        untried = self._candidates(state) if depth < self.max_depth else []
+        if not self.prune:
+            untried = [a for a in untried if a not in key]  # an action set: the same action twice is one
         self.rng.shuffle(untried)
-        node = self.table[key] = _Node(key, state, untried, depth)
-        self.by_print[self._fingerprint(state)] = node
+        node = self.table[key] = _Node(key, state, untried, depth, acts)
+        if self.prune:
+            self.by_print[self._fingerprint(state)] = node
         self.stats.nodes += 1
         return node
+
+    def _candidates(self, state: ShardingState) -> list[Action]:
+        return candidates(state, self.axes, self.kinds, prune=self.prune)
 
     def _apply(self, state: ShardingState, action: Action) -> ShardingState | None:
         t0 = time.perf_counter()
@@ -150,6 +163,12 @@ class MCTS:
         if key < self.best[0]:
             self.best = (key, state, actions)
             self.stats.best_at_episode = self.stats.episodes
+
+    @staticmethod
+    def _pruned(child: _Node, node: _Node, path: list[_Node]) -> bool:
+        """The plan of `node` itself, of an ancestor (a transposition must not close a cycle, which selection
+        would walk forever), or of a child it already has: no new decision."""
+        return any(c is child for c in path) or any(c is child for _, c in node.children)
 
     def episode(self) -> None:
         node, path, acts = self.root, [self.root], []
@@ -164,24 +183,31 @@ class MCTS:
             a = node.untried.pop()
             key = node.key | {a}
             child = self.table.get(key)
-            if child is None:
+            if child is None and not self.prune:  # ablation: illegal is a no-op child, no transposition
+                s = self._apply(node.state, a)
+                legal = s is not None
+                child = self._node(key, s if legal else node.state.copy(), node.depth + 1,
+                                   [*node.acts, a] if legal else list(node.acts))
+            elif child is None:
                 s = self._apply(node.state, a)
                 if s is None:
                     continue
                 fp = self._fingerprint(s)
                 child = self.by_print.get(fp)
-                if child is node or any(c is child for _, c in node.children):
-                    child = None  # no new decision: pruned
-                    continue
                 if child is None:
-                    child = self._node(key, s, node.depth + 1)
-                else:
+                    child = self._node(key, s, node.depth + 1, [*acts, a])
+                elif not self._pruned(child, node, path):
                     self.table[key] = child
+            if self._pruned(child, node, path):
+                child = None  # no new decision: pruned
+                continue
             node.children.append((a, child))
             acts.append(a)
         if child is not None:
             path.append(child)
             node = child
+        if not self.prune:  # the path's actions may include illegal ones (no-ops): the node's own list
+            acts = list(node.acts)
         k0, _ = self.ev.score(node.state, node.key)  # STOP here
         self._consider(k0, node.state, list(acts))
         r = self.ev.reward(k0, self.ref)
@@ -189,7 +215,7 @@ class MCTS:
         for _ in range(self.rollout_depth):  # roll out
             if self.rng.random() < self.p_stop:
                 break
-            cands = candidates(s, self.axes, self.kinds)
+            cands = self._candidates(s)
             if not cands:
                 break
             a = cands[self.rng.randrange(len(cands))]
@@ -242,7 +268,7 @@ class MCTS:
 
         while not spent():  # hill-climb
             step = None
-            for a in candidates(state, self.axes, self.kinds):
+            for a in self._candidates(state):
                 if spent():
                     break
                 s = self._apply(state, a)

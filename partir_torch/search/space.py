@@ -40,14 +40,7 @@ class ShardOptimizer:
     def apply(self, state: ShardingState) -> None:
         p = state.program
         if self.target == "*":  # every parameter with optimizer state, each on its first dim that divides
-            chosen = []
-            for name, st in p.opt_states.items():
-                per = [v for s, v in st.items() if s not in p.shared_states]
-                pv = p.params[name]
-                for d in range(len(p.values[pv].shape)):
-                    if per and _fits(state, per[0], d, self.axis) and (self.stage < 3 or _fits(state, pv, d, self.axis)):
-                        chosen.append((name, d))
-                        break
+            chosen = _zero_all(state, self.axis, self.stage)
             if not chosen:
                 raise IllegalActionError(f"no optimizer state left to shard on {self.axis!r}")
             self._fence(state, [n for n, _ in chosen])  # all fences first: no tile may leak past a later fence
@@ -92,6 +85,23 @@ class ShardOptimizer:
                 if self.axis in state.shard[v].axes:
                     continue
                 state.apply(Tile(p.values[v].name, dim, self.axis))
+
+
+def _zero_all(state: ShardingState, axis: str, stage: int, first: bool = False) -> list[tuple[str, int]]:
+    """What `ShardOptimizer("*", -1, axis, stage)` tiles: (parameter, its first dim that divides); `first`:
+    stop at the first one (is the move legal?)."""
+    p = state.program
+    chosen = []
+    for name, st in p.opt_states.items():
+        per = [v for s, v in st.items() if s not in p.shared_states]
+        pv = p.params[name]
+        for d in range(len(p.values[pv].shape)):
+            if per and _fits(state, per[0], d, axis) and (stage < 3 or _fits(state, pv, d, axis)):
+                chosen.append((name, d))
+                if first:
+                    return chosen
+                break
+    return chosen
 
 
 Action = Tile | ShardOptimizer
@@ -146,15 +156,25 @@ def _fits(state: ShardingState, v: int, dim: int, axis: str) -> bool:
     return val.shape[dim] % k == 0 and val.shape[dim] >= k
 
 
-def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str]) -> list[Action]:
-    """Legal, not-yet-implied actions on `axes` for slots of `kinds` (input, param, optimizer), sorted."""
+def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str], *,
+               prune: bool = True) -> list[Action]:
+    """Legal, not-yet-implied actions on `axes` for slots of `kinds` (input, param, optimizer), sorted.
+
+    `prune=False` (the ablation of `benchmarks/search.py`) skips the propagation analysis: every slot x dim
+    x axis is offered, and every ZeRO stage on every dim, whatever the state, so implied actions (no-ops)
+    and illegal ones (axis already used, fenced, not dividing) are among them; `apply_action` reports the
+    illegal ones.
+    """
+    if not prune:
+        return _all_actions(state.program, axes, kinds)
     out: list[Action] = []
     p = state.program
     if "optimizer" in kinds and p.opt_states:  # the whole-model ZeRO move, as the expert tactic does it
         free = [n for n, st in p.opt_states.items()
                 if any(s not in p.shared_states and not state.shard[v].axes for s, v in st.items())]
-        if free:
-            out += [ShardOptimizer("*", -1, axis, stage) for axis in axes for stage in (1, 3)]
+        if free:  # and legal: some parameter's state (and, stage 3, the parameter) still divides
+            out += [ShardOptimizer("*", -1, axis, stage) for axis in axes for stage in (1, 3)
+                    if _zero_all(state, axis, stage, first=True)]
     for s in slots(p):
         if s.kind not in kinds:
             continue
@@ -169,6 +189,23 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
                     if st and 3 not in have and _fits(state, st[0], d, axis) and _fits(state, s.value, d, axis):
                         out.append(ShardOptimizer(s.target, d, axis, 3))
                 elif _fits(state, s.value, d, axis):
+                    out.append(Tile(s.target, d, axis))
+    return out
+
+
+def _all_actions(p: Program, axes: tuple[str, ...], kinds: frozenset[str]) -> list[Action]:
+    """Every syntactically possible action on `axes` for slots of `kinds`: what `candidates` prunes from."""
+    out: list[Action] = []
+    if "optimizer" in kinds and p.opt_states:
+        out += [ShardOptimizer("*", -1, axis, stage) for axis in axes for stage in (1, 3)]
+    for s in slots(p):
+        if s.kind not in kinds:
+            continue
+        for axis in axes:
+            for d in range(len(p.values[s.value].shape)):
+                if s.kind == "optimizer":
+                    out += [ShardOptimizer(s.target, d, axis, stage) for stage in (1, 3)]
+                else:
                     out.append(Tile(s.target, d, axis))
     return out
 

@@ -99,3 +99,20 @@ def test_copy_is_independent():
     b.apply(Tile("inputs[0]", 0, "batch"))
     assert not any(sh.axes for sh in a.shard) and not any(a.assign)
     assert any(sh.axes for sh in b.shard)
+
+
+def test_whole_model_zero_is_not_offered_again_once_nothing_divides():
+    # the U-Net's conv_out.bias (3 channels) never divides by 4: its state stays replicated after the move,
+    # which once kept the move on offer; applied again it is illegal (and MCTS walked a self-loop forever)
+    model, inputs, loss_fn = models.build("tiny-unet", {"batch": "8"})
+    p = capture(model, inputs, loss_fn, "adamw", fold=True)
+    for stage in (1, 3):
+        state = ShardingState(p, Mesh.parse("batch=4,model=2"))
+        assert apply_action(state, ShardOptimizer("*", -1, "batch", stage))
+        left = [n for n, st in p.opt_states.items()
+                if any(k not in p.shared_states and not state.shard[v].axes for k, v in st.items())]
+        assert left  # some optimizer state is still replicated on batch ...
+        assert not apply_action(state.copy(), ShardOptimizer("*", -1, "batch", stage))  # ... but cannot be tiled
+        offered = candidates(state, ("batch", "model"), ALL)
+        assert ShardOptimizer("*", -1, "batch", stage) not in offered
+        assert all(apply_action(state.copy(), a) for a in offered)  # every pruned candidate is legal
