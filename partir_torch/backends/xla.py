@@ -23,7 +23,9 @@ How the step is set up, and why:
 - tied parameters stay tied: `Module.to(xla)` makes a new Parameter per module;
 - `nn.LayerNorm` runs as reductions over its normalized dims (`plain_layer_norm`): torch_xla lowers
   `native_layer_norm` to batch-norm-training over a [1, B*T, D] reshape and GSPMD all-gathers the batch
-  around it, forward and backward.
+  around it, forward and backward;
+- `F.scaled_dot_product_attention` runs as einsums over [B, H, T, d]: torch_xla's matmuls over a
+  [B*H, T, d] reshape lose the head sharding.
 """
 
 from __future__ import annotations
@@ -188,11 +190,11 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     model = _to_keeping_ties(model, dev)
     if job.get("plain_layer_norm", True):
         _plain_layer_norms(model)
-    if job.get("einsum_attention", True):
-        _einsum_attention()
+    _einsum_attention()
     params = dict(model.named_parameters())
     for n, p in params.items():
         xs.mark_sharding(p, mesh, _spec(job["params"].get(n), p.dim()))
+
     def constrain_to(spec: tuple):
         def hook(mod, args, out):
             if isinstance(out, torch.Tensor) and out.dim() == len(spec):
@@ -240,8 +242,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     loss = loss_fn(model, *xin)
     loss.backward()
     opt.step()
-    if not job.get("keep_grads"):
-        opt.zero_grad(set_to_none=True)  # gradients are temporaries of the step, not outputs (see above)
+    opt.zero_grad(set_to_none=True)  # gradients are temporaries of the step, not outputs (see above)
     torch_xla.sync()
     value = float(loss.detach().cpu())
     out = {"loss": value, "compile_s": time.perf_counter() - t0}

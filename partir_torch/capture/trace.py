@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
-from partir_torch.capture.fold import folded
+from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
 from partir_torch.errors import CaptureError, InputShapeError
@@ -224,7 +224,7 @@ def _capture_folded(model, example_inputs, loss_fn, optimizer, mode) -> Program 
         if len(repeats) > 1:
             def removed(path: str) -> int:  # parameters the fold of this container leaves out
                 mod = model.get_submodule(path) if path else model
-                return sum(p.numel() for m in list(mod)[2:] for p in m.parameters())
+                return sum(p.numel() for m in list(mod)[KEEP:] for p in m.parameters())
 
             for c in sorted(repeats, key=lambda c: (-removed(c), c)):
                 trial, _ = attempt(kept | {c}, c)
