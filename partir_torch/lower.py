@@ -3,6 +3,7 @@
 Between the sharding a value has and the one an op needs, per mesh axis:
     partial  -> replicated : all-reduce        partial -> tiled    : reduce-scatter (all-reduce + slice, fused)
     tiled d  -> replicated : all-gather        tiled d -> tiled d' : all-to-all
+    tiled d in blocks <-> tiled d in n chunks (`Sharding.chunks`, a split / concat of n equal parts): all-to-all
     replicated -> tiled    : local slice (free) replicated/partial -> partial : free (one device keeps it)
 Bytes are per device: for all-reduce and reduce-scatter the (partial) input held, for all-gather the
 gathered output, for all-to-all the local block. The same value resharded to the same sharding by several
@@ -74,8 +75,19 @@ def transitions(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: 
                 out.append(("all-to-all", axis, before))
             else:
                 out.append(("all-gather", axis, after))
+        elif s_dim is not None and s_dim == d_dim and _chunks(src, s_dim) != _chunks(dst, s_dim):
+            out.append(("all-to-all", axis, before))  # the same tiles, laid out as blocks vs chunks
         cur = nxt
     return out
+
+
+def _chunks(sh: Sharding, dim: int) -> int:
+    return next((n for d, n in sh.chunks if d == dim), 1)
+
+
+def _chunked(chunks: tuple[tuple[int, int], ...], dims: tuple[tuple[str, ...], ...]) -> tuple[tuple[int, int], ...]:
+    """A tensor's chunked dims that are tiled (a chunked layout of a replicated dim is the same tensor)."""
+    return tuple(c for c in chunks if dims[c[0]]) if chunks else ()
 
 
 def _move(sh: Sharding, axis: str, dim: int | None, partial: bool) -> Sharding:
@@ -91,12 +103,13 @@ def required_operand(state: ShardingState, o: int, i: int) -> Sharding:
     rule = state.rules[o]
     t = rule.operands[i]
     partial = state.reduced_axes(o) if i in rule.partialize else frozenset()
-    partial = frozenset(a for a in partial if all(a not in ax for ax in state.required(o, t.dims)))
-    return Sharding(state.required(o, t.dims), partial | state.passthrough[o])
+    dims = state.required(o, t.dims)
+    partial = frozenset(a for a in partial if all(a not in ax for ax in dims))
+    return Sharding(dims, partial | state.passthrough[o], _chunked(t.chunks, dims))
 
 
-def op_needs(rule, a: dict, pt: frozenset[str]) -> list[tuple[tuple[tuple[str, ...], ...], frozenset[str]]]:
-    """(dims, partial) of `required_operand` for each operand, then of `ShardingState.op_output` for each
+def op_needs(rule, a: dict, pt: frozenset[str]) -> list[tuple[tuple[tuple[str, ...], ...], frozenset[str], tuple]]:
+    """(dims, partial, chunks) of `required_operand` for each operand, then of `ShardingState.op_output` for each
     result, of an op with `rule`, factor assignment `a` and passed-through sums `pt`, without building
     Shardings (the cost model's path; tests check it against `lower`)."""
     out = []
@@ -106,12 +119,14 @@ def op_needs(rule, a: dict, pt: frozenset[str]) -> list[tuple[tuple[tuple[str, .
         if i in rule.partialize:
             if red is None:
                 red = frozenset(ax for r in rule.reduced for f in r for ax in a.get(f, ()))
-            out.append((dims, frozenset(x for x in red if all(x not in ax for ax in dims)) | pt))
+            out.append((dims, frozenset(x for x in red if all(x not in ax for ax in dims)) | pt,
+                        _chunked(t.chunks, dims)))
         else:
-            out.append((dims, pt))
+            out.append((dims, pt, _chunked(t.chunks, dims)))
     for t, r in zip(rule.results, rule.reduced):
         dims = tuple([a.get(f, ()) if f is not None else () for f in t.dims])
-        out.append((dims, frozenset(ax for f in r if f not in t.dims for ax in a.get(f, ())) | pt))
+        out.append((dims, frozenset(ax for f in r if f not in t.dims for ax in a.get(f, ())) | pt,
+                    _chunked(t.chunks, dims)))
     return out
 
 
@@ -122,7 +137,8 @@ def op_signatures(state: ShardingState) -> list[int]:
     sigs = getattr(program, "_lower_sigs", None)
     if sigs is None:
         ids: dict[tuple, int] = {}
-        sigs = [ids.setdefault((tuple(t.dims for t in r.operands), tuple(t.dims for t in r.results), r.partialize,
+        sigs = [ids.setdefault((tuple((t.dims, t.chunks) for t in r.operands),
+                                tuple((t.dims, t.chunks) for t in r.results), r.partialize,
                                 r.reduced), len(ids)) for r in state.rules]
         program._lower_sigs = sigs  # type: ignore[attr-defined]
         program._lower_memo = {}  # type: ignore[attr-defined]

@@ -328,7 +328,9 @@ class ShardingState:
         rule = self.rules[o]
         t = rule.results[r]
         partial = frozenset(ax for f in rule.reduced[r] if f not in t.dims for ax in self.assign[o].get(f, ()))
-        return Sharding(self.required(o, t.dims), partial | self.passthrough[o])
+        dims = self.required(o, t.dims)
+        chunks = tuple(c for c in t.chunks if dims[c[0]]) if t.chunks else ()
+        return Sharding(dims, partial | self.passthrough[o], chunks)
 
     def reduced_axes(self, o: int) -> frozenset[str]:
         rule = self.rules[o]

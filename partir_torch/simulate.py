@@ -47,15 +47,22 @@ class _Mesh:
         self.mesh = mesh
         self.coords = [dict(zip(mesh.names, c)) for c in itertools.product(*(range(s) for _, s in mesh.axes))]
 
-    def region(self, sh: Sharding, shape: tuple[int, ...], c: dict[str, int]) -> tuple[slice, ...]:
-        out = []
-        for size, axes in zip(shape, sh.dims):
+    def region(self, sh: Sharding, shape: tuple[int, ...], c: dict[str, int]) -> tuple[slice | torch.Tensor, ...]:
+        """Device `c`'s part of a tensor of `shape`: a block per dim, or its tile of each chunk (`Sharding.chunks`)."""
+        chunks = dict(sh.chunks)
+        out: list[slice | torch.Tensor] = []
+        for d, (size, axes) in enumerate(zip(shape, sh.dims)):
             idx, n = 0, 1
             for a in axes:
                 idx = idx * self.mesh.size(a) + c[a]
                 n *= self.mesh.size(a)
-            chunk = size // n
-            out.append(slice(idx * chunk, (idx + 1) * chunk))
+            k = chunks.get(d, 1)
+            tile = size // k // n
+            if k > 1 and n > 1:
+                out.append(torch.cat([torch.arange(j * (size // k) + idx * tile, j * (size // k) + (idx + 1) * tile)
+                                      for j in range(k)]))
+            else:
+                out.append(slice(idx * (size // n), (idx + 1) * (size // n)))
         return tuple(out)
 
     def scatter(self, g: torch.Tensor, sh: Sharding) -> list[torch.Tensor]:
@@ -190,6 +197,12 @@ def _subst(a: Any, it) -> Any:
 def _localize(target: str, args: tuple, state: ShardingState, o: int, results: list[int]) -> tuple:
     """Non-shape size arguments that depend on a tiled dim."""
     prog, mesh = state.program, state.mesh
+    if target in ("aten.split.Tensor", "aten.split_with_sizes.default"):  # equal parts of the local chunks
+        x = state.rules[o].operands[0]
+        if x.chunks:
+            d, n = x.chunks[0]
+            local = required_operand(state, o, 0).local_shape(prog.values[x.value].shape, mesh)[d] // n
+            return (args[0], local if target == "aten.split.Tensor" else [local] * n, *args[2:])
     if target == "aten.native_group_norm.default":
         n = state.op_output(o, 0).local_shape(prog.values[results[0]].shape, mesh)[0]
         return (*args[:3], n, *args[4:])

@@ -95,12 +95,30 @@ def test_zero_shards_optimizer_state_and_gathers_updated_params():
 
 
 def test_conflicts_are_recorded_not_resolved():
+    model, inputs, loss_fn = models.build("tiny-llama", device="meta")  # 2 KV heads repeated for 4 query heads
+    p = capture(model, inputs, loss_fn, "sgd")
+    state = apply_schedule(p, Mesh.parse("model=4"), "model:Megatron")
+    assert state.conflicts and "does not divide by 4" in state.conflicts[0].why
+    assert "view" in state.conflicts[0].describe(p)
+
+
+def test_fused_qkv_split_keeps_heads_tiled_through_an_all_to_all():
+    """GPT-2's `c_attn(x).split(d, -1)` under Megatron: the column-tiled [B, T, 3d] is read in 3 chunks (one
+    all-to-all of the local block, not an all-gather), q/k/v and the attention stay tiled by heads, and the
+    gradients' concat writes chunks back to blocks (a second all-to-all)."""
     model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
     p = capture(model, inputs, loss_fn, "sgd")
     state = apply_schedule(p, Mesh.parse("model=2"), "model:Megatron")
-    splits = [c for c in state.conflicts if p.ops[c.op].target == "aten.split.Tensor"]
-    assert splits and "needs replication" in splits[0].why  # GPT-2's fused qkv split
-    assert "split" in splits[0].describe(p)
+    assert not state.conflicts
+    splits = [op for op in p.ops if op.target == "aten.split.Tensor"]
+    for op in splits:
+        assert all(str(state.shard[v]) == "P(None, None, 'model')" for v in op.outputs if v >= 0)
+    coll = lower(state)
+    a2a = [c for c in coll if c.kind == "all-to-all"]
+    qkv = p.values[splits[0].outputs[0]]
+    block = qkv.shape[0] * qkv.shape[1] * qkv.shape[2] * 3 // 2 * qkv.dtype.itemsize
+    assert len(a2a) == 2 * len(splits) and all(c.bytes == block for c in a2a)
+    assert not [c for c in coll if c.kind == "all-gather"]
 
 
 def test_typed_errors_show_values():

@@ -60,3 +60,14 @@ def test_zoo_plan_matches_unsharded(name, mesh, schedule):
     assert res.replica_mismatch <= 1e-5
     if schedule != "random":
         assert any(state.shard[v].axes for v in program.params.values()) or "BatchParallel" in schedule
+
+
+def test_fused_qkv_chunks_are_simulated():
+    """The chunked layout of GPT-2's QKV split and its gradient's concat (`Sharding.chunks`) runs per device:
+    each all-to-all is emulated, and the step still equals the unsharded one."""
+    program, params, buffers, inputs, states = workload("tiny-gpt2")
+    state = apply_schedule(program, Mesh.parse("model=4"), "model:Megatron")
+    res = simulate(program, state, params, buffers, inputs, states)
+    n_split = sum(op.target == "aten.split.Tensor" for op in program.ops)
+    assert res.executed.get("all-to-all") == 2 * n_split and "all-gather" not in res.executed
+    assert res.max_abs_diff <= 1e-5

@@ -314,17 +314,17 @@ class _Static:
         self.opt_w = mem_w_arr[self.opt_vid]
 
     def sid(self, sh: Sharding) -> int:
-        key = (sh.dims, sh.partial)
+        key = (sh.dims, sh.partial, sh.chunks)
         i = self.sh_ids.get(key)
         if i is None:
             i = self.sh_ids[key] = len(self.sh_list)
             self.sh_list.append(sh)
         return i
 
-    def sid_of(self, dims: tuple[tuple[str, ...], ...], partial: frozenset[str]) -> int:
-        i = self.sh_ids.get((dims, partial))
+    def sid_of(self, dims: tuple[tuple[str, ...], ...], partial: frozenset[str], chunks: tuple = ()) -> int:
+        i = self.sh_ids.get((dims, partial, chunks))
         if i is None:
-            sh = Sharding(dims, partial)
+            sh = Sharding(dims, partial, chunks)
             i = self.sid(Sharding.replicated(len(dims)) if sh == Sharding.replicated(len(dims)) else sh)
         return i
 
@@ -617,7 +617,7 @@ def _refresh(state: ShardingState, st: _Static, memo: _Memo) -> _Cache:
                 flops, nbytes = _op_compute(ops[o].target, st.tensors[o], a, size)
                 entries[k] = len(memo.e_py)
                 needs = op_needs(rules[o], a, passthrough[o])
-                memo.e_py.append((flops, nbytes, tuple([sid_of(d, p) for d, p in needs])))
+                memo.e_py.append((flops, nbytes, tuple([sid_of(d, p, c) for d, p, c in needs])))
                 memo.e_flops.append(flops)
                 memo.e_nbytes.append(nbytes)
                 memo.e_start.append(len(memo.e_need))

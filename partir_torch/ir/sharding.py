@@ -3,6 +3,12 @@
 Written like the paper and like JAX: `P('batch', None)`, `P(('batch', 'model'), None)`, and a pending
 reduction as `P(None, None) + sum{model}`. An axis appears at most once per value.
 
+Values are always tiled in blocks. An op can read or write a tensor in a *chunked* layout: a dim made of
+n equal chunks (a split into n equal parts, a concat of n equal parts) where each chunk is tiled on its
+own, so that device i holds the i-th tile of every chunk (`P(None, 'model') chunks{1: 3}`). Blocks and
+chunks over the same axes hold the same number of elements; turning one into the other is an all-to-all
+(GPT-2's fused QKV projection under Megatron: `lower.transitions`).
+
 >>> s = Sharding.replicated(2).tile(0, "batch")
 >>> str(s), s.to_spec()
 ("P('batch', None)", ['batch', None])
@@ -22,6 +28,7 @@ _REPLICATED: dict[int, Sharding] = {}
 class Sharding:
     dims: tuple[tuple[str, ...], ...]
     partial: frozenset[str] = field(default_factory=frozenset)
+    chunks: tuple[tuple[int, int], ...] = ()  # ((dim, n), ...): tiled dims read as n chunks (see above)
     _axes: frozenset[str] = field(init=False, repr=False, compare=False, hash=False)
     _dim_of: dict = field(init=False, repr=False, compare=False, hash=False)
 
@@ -89,4 +96,6 @@ class Sharding:
     def __str__(self) -> str:
         parts = ["None" if not d else repr(d[0]) if len(d) == 1 else repr(d) for d in self.dims]
         text = f"P({', '.join(parts)})"
+        if self.chunks:
+            text += " chunks{" + ", ".join(f"{d}: {n}" for d, n in self.chunks) + "}"
         return text + (" + sum{" + ", ".join(sorted(self.partial)) + "}" if self.partial else "")

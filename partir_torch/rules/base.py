@@ -33,6 +33,7 @@ class TMap:
 
     value: int
     dims: tuple[int | None, ...]
+    chunks: tuple[tuple[int, int], ...] = ()  # ((dim, n), ...): the op reads/writes dim as n equal chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,9 @@ class OpRule:
 
     def __str__(self) -> str:
         def fmt(t: TMap) -> str:
-            return "".join("_" if f is None else self.letters[f] for f in t.dims) or "()"
+            ch = dict(t.chunks)
+            return "".join(("_" if f is None else self.letters[f]) + (f"/{ch[d]}" if d in ch else "")
+                           for d, f in enumerate(t.dims)) or "()"
 
         rep = f" replicate {{{','.join(self.letters[f] for f in sorted(self.replicate))}}}" if self.replicate else ""
         return f"{self.name}: {','.join(map(fmt, self.operands))}->{','.join(map(fmt, self.results))}{rep}"

@@ -4,9 +4,16 @@ Reshape (`view`, `_unsafe_view`, `squeeze`, `unsqueeze`) pairs groups of input a
 products. A 1:1 group keeps its factor; in a merge or split only the *major* dim of each side carries the
 group's factor (tiling the major dim of a row-major group by k is the same contiguous chunk on both sides
 when k divides both major dims); the minor dims carry none, so their tilings do not propagate.
+
+Split into n equal parts and concat of n equal parts keep the split dim's factor: each part is tiled alike,
+and the whole tensor is read (split) or written (cat) in n chunks (`Sharding.chunks`). Against a blocked
+tiling that is an all-to-all of the local block, which is what XLA's SPMD partitioner does for GPT-2's fused
+QKV under Megatron (an all-gather would move the whole tensor). Unequal parts keep the dim replicated.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from partir_torch.ir.program import Op, Program
 from partir_torch.rules.base import LETTERS, OpRule, arg, register, spec_rule, tensor_args
@@ -109,21 +116,40 @@ def slice_(op: Op, program: Program) -> OpRule:
 
 @register("aten.cat.default")
 def cat(op: Op, program: Program) -> OpRule:
+    """n equal parts along `dim` (GPT-2's QKV gradient): every part tiled alike, the result written in n chunks
+    (`Sharding.chunks`: an all-to-all to blocks); unequal parts: the dim stays replicated."""
     ins = tensor_args(op)
     r = len(program.values[op.outputs[0]].shape)
     d = int(arg(op, 1, "dim", 0)) % r
     letters = LETTERS[:r]
     specs = [letters if len(program.values[v].shape) == r else "_" * len(program.values[v].shape) for v in ins]
-    return spec_rule(op, program, ",".join(specs) + "->" + letters, replicate=letters[d], name="concat")
+    spec = ",".join(specs) + "->" + letters
+    ranks_ok = all(len(program.values[v].shape) == r for v in ins)
+    if len(ins) < 2 or not ranks_ok or len({program.values[v].shape[d] for v in ins}) != 1:
+        return spec_rule(op, program, spec, replicate=letters[d], name="concat")
+    rule = spec_rule(op, program, spec, name="concat")
+    return replace(rule, results=(replace(rule.results[0], chunks=((d, len(ins)),)),))
 
 
 @register("aten.split.Tensor", "aten.split_with_sizes.default")
 def split(op: Op, program: Program) -> OpRule:
-    r = len(program.values[tensor_args(op)[0]].shape)
+    """Into n equal parts (GPT-2's fused QKV): the operand read in n chunks (`Sharding.chunks`: a blocked
+    operand costs an all-to-all), every part tiled alike; unequal parts: the dim stays replicated."""
+    x = tensor_args(op)[0]
+    r = len(program.values[x].shape)
     d = int(arg(op, 2, "dim", 0)) % r
     letters = LETTERS[:r]
-    n = sum(o >= 0 for o in op.outputs)
-    return spec_rule(op, program, f"{letters}->" + ",".join([letters] * n), replicate=letters[d], name="split")
+    outs = [o for o in op.outputs if o >= 0]
+    size, full = arg(op, 1), program.values[x].shape[d]
+    if isinstance(size, int):
+        parts = [size] * (full // size) if full % size == 0 else []
+    else:
+        parts = list(size)
+    spec = f"{letters}->" + ",".join([letters] * len(outs))
+    if len(parts) < 2 or len(set(parts)) != 1:
+        return spec_rule(op, program, spec, replicate=letters[d], name="split")
+    rule = spec_rule(op, program, spec, name="split")
+    return replace(rule, operands=(replace(rule.operands[0], chunks=((d, len(parts)),)),))
 
 
 @register("aten.slice_backward.default")

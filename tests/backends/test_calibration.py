@@ -71,6 +71,23 @@ def test_known_deviation_layernorm_all_gathers_the_batch():
     assert "all-gather" not in c.as_cpu and c.xla.get("all-gather", 0) > 0
 
 
+def test_fused_qkv_split_is_an_exchange_not_a_gather():
+    """GPT-2's fused QKV under Megatron: the model reads the column-tiled projection in 3 chunks (an all-to-all
+    of the local block forward, and one for the gradients' concat backward); XLA gathers nothing either, does
+    the forward re-layout with collective-permutes and the backward with all-to-alls (docs/cost-model.md,
+    item 3). With a gather, Megatron would wrongly rank above plain DP in bytes."""
+    from partir_torch.backends.calibrate import calibrate
+
+    dp, mt = (calibrate("tiny-gpt2", "batch=2,model=4", s)
+              for s in ("batch:BatchParallel", "batch:BatchParallel;model:Megatron"))
+    assert "all-gather" not in mt.as_cpu and "all-gather" not in mt.xla
+    assert mt.as_cpu["all-reduce"] == pytest.approx(mt.xla["all-reduce"], abs=8)
+    block = 2 * 16 * 96 // 4 * 4  # [B/2, T, 3d] / 4 devices, fp32
+    assert mt.as_cpu["all-to-all"] == 2 * 2 * block == mt.xla["all-to-all"]  # 2 layers x (split, concat)
+    assert mt.xla["collective-permute"] > 0 and "collective-permute" not in mt.as_cpu
+    assert sum(mt.as_cpu.values()) < sum(dp.as_cpu.values()) and sum(mt.xla.values()) < sum(dp.xla.values())
+
+
 def test_plans_rank_in_xla_order_of_communication_volume():
     from partir_torch.backends.calibrate import calibrate
 

@@ -84,3 +84,20 @@ def test_actions_are_frozen_ordered_and_readable():
     assert len({a, Tile("h.*.attn.c_attn.weight", 0, "model")}) == 1
     with pytest.raises(AttributeError):
         a.dim = 1
+
+
+def test_chunked_layout_reads_and_costs_an_all_to_all():
+    """A dim read in n chunks (a split into n equal parts) holds as many elements as a block: blocks <-> chunks
+    is an all-to-all of the local block, chunks -> replicated an all-gather."""
+    from partir_torch.lower import transitions
+
+    mesh = Mesh.parse("batch=2,model=4")
+    blocks = Sharding.replicated(3).tile(0, "batch").tile(2, "model")
+    chunks = Sharding(blocks.dims, chunks=((2, 3),))
+    assert str(chunks) == "P('batch', None, 'model') chunks{2: 3}" and chunks != blocks
+    shape = (8, 16, 96)
+    local = 4 * 16 * 24 * 4
+    assert transitions(blocks, chunks, shape, 4, mesh) == [("all-to-all", "model", local)]
+    assert transitions(chunks, blocks, shape, 4, mesh) == [("all-to-all", "model", local)]
+    assert transitions(chunks, Sharding.replicated(3).tile(0, "batch"), shape, 4, mesh) == [
+        ("all-gather", "model", local * 4)]
