@@ -241,8 +241,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 if e.get("chosen", True):
                     mode = f", {e['mode']} search" if "mode" in e else ""
                     print(f"  {','.join(e['axes'])} ({e['goal']}{mode}): " + ("; ".join(e["actions"]) or "nothing"))
+        if args.explain:
+            from partir_torch.explain import explain
+
+            print(explain(state, report, hw, dcn_axes=dcn).table())
     if config.log and not report.feasible:
         raise InfeasibleError(infeasible_message(plan, mesh))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from partir_torch.explain import diff
+    from partir_torch.plan import ShardingPlan
+
+    plans = []
+    for path in (args.a, args.b):
+        try:
+            with open(path) as f:
+                plans.append(ShardingPlan.from_json(f.read()))
+        except (OSError, ValueError, KeyError) as e:
+            raise PartirError(f"cannot read a plan from {path}: {e!r}; write one with `partir-torch plan ... --out "
+                              f"{path}`") from e
+    d = diff(*plans)
+    if args.json:
+        json.dump(d.to_json(), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(str(d))
     return 0
 
 
@@ -292,7 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
     pl.add_argument("--out", help="write the plan JSON here")
     pl.add_argument("--json", action="store_true", help="print the plan JSON")
+    pl.add_argument("--explain", action="store_true",
+                    help="also attribute the communication to its causes and show the memory peak's largest values")
     pl.set_defaults(fn=cmd_plan)
+
+    df = sub.add_parser("diff", help="compare two saved plans (plan --out): cost side by side, changed specs")
+    df.add_argument("a")
+    df.add_argument("b")
+    df.add_argument("--json", action="store_true")
+    df.set_defaults(fn=cmd_diff)
 
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=cmd_models)
