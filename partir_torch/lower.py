@@ -58,19 +58,39 @@ def local_numel(shape: tuple[int, ...], sh: Sharding, mesh: Mesh) -> int:
 
 def transitions(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, mesh: Mesh
                 ) -> list[tuple[str, str, int]]:
-    """[(kind, axis, bytes per device)] to turn `src` into `dst`, axis by axis in mesh order."""
+    """[(kind, axis, bytes per device)] to turn `src` into `dst`.
+
+    Pending sums first, while the data is largest: reduce-scatters (mesh order), then all-reduces, then the
+    tiling moves axis by axis in mesh order. A sum over several axes is reduced hierarchically, minor axis
+    first (the fast links of a mesh written slow-to-fast, `data:dcn, model`): the all-reduce over the next
+    axis moves 1/n of the bytes of the one before (the reduce-scatter / all-reduce / all-gather algorithm),
+    so that k axes cost what one ring over their product costs, 2(n1·n2-1)/(n1·n2)·B, and not k rings of B.
+    """
     out: list[tuple[str, str, int]] = []
     cur = src
+    if src.partial - dst.partial:
+        reduced = [a for a in mesh.names if a in src.partial and a not in dst.partial]
+        for axis in reduced:  # reduce-scatter: the sum lands tiled
+            d_dim = dst.dim_of(axis)
+            if d_dim is not None:
+                out.append(("reduce-scatter", axis, local_numel(shape, cur, mesh) * itemsize))
+                cur = _move(cur, axis, d_dim, False)
+        share = 1
+        for axis in reversed(reduced):
+            if dst.dim_of(axis) is None:
+                out.append(("all-reduce", axis, local_numel(shape, cur, mesh) * itemsize // share))
+                share *= mesh.size(axis)
+                cur = _move(cur, axis, None, False)
     for axis in mesh.names:
-        s_dim = next((i for i, ax in enumerate(cur.dims) if axis in ax), None)
-        d_dim = next((i for i, ax in enumerate(dst.dims) if axis in ax), None)
+        s_dim = cur.dim_of(axis)
+        d_dim = dst.dim_of(axis)
         s_part, d_part = axis in cur.partial, axis in dst.partial
+        if s_part == d_part and s_dim == d_dim and (s_dim is None or _chunks(cur, s_dim) == _chunks(dst, s_dim)):
+            continue
         before = local_numel(shape, cur, mesh) * itemsize
         nxt = _move(cur, axis, d_dim, d_part)
         after = local_numel(shape, nxt, mesh) * itemsize
-        if s_part and not d_part:
-            out.append(("reduce-scatter" if d_dim is not None else "all-reduce", axis, before))
-        elif s_dim is not None and s_dim != d_dim:
+        if s_dim is not None and s_dim != d_dim:
             if d_dim is not None:
                 out.append(("all-to-all", axis, before))
             else:
