@@ -11,6 +11,9 @@ that axis (fast link, or DCN/InfiniBand for axes marked as crossing slices/nodes
     all-gather      (n-1)/n · B/bw + (n-1)α     (B: the gathered size)
     reduce-scatter  (n-1)/n · B/bw + (n-1)α     (B: the size before the scatter)
     all-to-all      (n-1)/n · B/bw + (n-1)α
+A sum over several axes is reduced hierarchically (`lower.transitions`: reduce-scatters first, then the
+all-reduces minor axis first, each on 1/n of the bytes of the one before): 2(N-1)/N · B over N = n1·n2·…
+on the fast links, as one ring over the product would cost, with the slow axis moving the least.
 A folded program (`capture/fold.py`) is costed as the full model: each op, collective and value counts with
 its fold weight (element 1 of a folded container stands for elements 1..N-1).
 Step time = compute + communication (no overlap is modelled: an upper bound; see docs/cost-model.md).
