@@ -4,10 +4,13 @@
 
 Per scenario: the model is captured once (folded: two of N identical blocks, costed as all N), every
 applicable expert schedule is evaluated with the cost model, then MCTS (incremental, axis by axis, and
-joint, and the default "both" that splits the budget between them and keeps the better), random search,
-greedy and beam search each get the same time budget. Reported: search time,
+joint, and the default "both": 40 % of the budget each, then a refinement from both plans), random search
+(with the same seeds), greedy and beam search each get the same time budget. Reported: search time,
 episodes, estimated step time and peak memory, feasibility, and the ratio of the found plan's step time to
-the best feasible expert plan (target <= 1.01). MCTS is rerun with `--seeds` seeds (spread target <= 2 %).
+the best feasible expert plan (target <= 1.01). MCTS is rerun with `--seeds` seeds (spread target <= 2 %), and
+compared with random search seed by seed and on the medians (`mcts_vs_random`). All answers, baselines
+included, are simplified by the same rule (an action that buys < 0.5 % is dropped), so all are judged by one
+objective.
 
 Ablation rows (with the full run, or `--ablation`), seed 0, same budget: what propagation-based pruning
 and goals buy. `mcts-noprune`: every syntactically possible action is offered, illegal ones expand to a
@@ -137,6 +140,27 @@ def e2e(budget: str, seeds: int) -> dict:
     return out
 
 
+def versus(search: dict) -> dict | None:
+    """MCTS (default mode) against random search, seed by seed and on the medians: a plan that does not fit
+    counts as infinitely slow; two step times within 1e-9 of each other are a tie."""
+    pairs = []
+    for k, v in search.items():
+        r = search.get(k.replace("mcts-both-", "random-"))
+        if k.startswith("mcts-both-seed") and r is not None:
+            pairs.append((v["step_time_s"] if v["feasible"] else float("inf"),
+                          r["step_time_s"] if r["feasible"] else float("inf")))
+    if not pairs:
+        return None
+
+    def cmp(a: float, b: float) -> str:
+        return "tie" if a == b or abs(a - b) <= 1e-9 * min(a, b) else ("win" if a < b else "loss")
+
+    out = [cmp(m, r) for m, r in pairs]
+    med = [sorted(x)[len(x) // 2] for x in zip(*pairs, strict=True)]
+    return {"per_seed": out, "wins": out.count("win"), "ties": out.count("tie"), "losses": out.count("loss"),
+            "median_mcts_s": med[0], "median_random_s": med[1], "median": cmp(*med)}
+
+
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "--e2e-child":
         e2e_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
@@ -200,8 +224,9 @@ def main() -> None:
         if not args.quick or args.ablation:
             runs += [("mcts", "both", 0, False, True, "mcts-noprune"), ("mcts", "both", 0, True, False, "mcts-nogoals"),
                      ("mcts", "both", 0, False, False, "mcts-ablated")]
-        if not args.quick:
-            runs += [(a, "incremental", 0, True, True, f"{a}-incremental") for a in ("random", "greedy", "beam")]
+        if not args.quick:  # random search with the same seeds as the MCTS; greedy and beam are deterministic
+            runs += [("random", "incremental", s, True, True, f"random-seed{s}") for s in range(args.seeds)]
+            runs += [(a, "incremental", 0, True, True, f"{a}-incremental") for a in ("greedy", "beam")]
         for algo, mode, seed, prune, goals, key in runs:
             cfg = SearchConfig(hw, frozenset(dcn), None, seed, Budget.parse(args.budget), algo, prune=prune, goals=goals)
             t1 = time.perf_counter()
@@ -221,8 +246,9 @@ def main() -> None:
         row["best_expert_s"] = min(feas) if feas else None
         for v in row["search"].values():
             v["vs_best_expert"] = v["step_time_s"] / row["best_expert_s"] if feas and v["feasible"] else None
-        seeds = [v["step_time_s"] for k, v in row["search"].items() if "seed" in k]
+        seeds = [v["step_time_s"] for k, v in row["search"].items() if k.startswith("mcts-both-seed")]
         row["seed_spread"] = max(seeds) / min(seeds) - 1 if seeds else None
+        row["mcts_vs_random"] = versus(row["search"])
         results[name] = row
         gc.unfreeze()
 
@@ -240,8 +266,14 @@ def main() -> None:
                   f"{'yes' if v['feasible'] else 'NO':>5} {ratio:>9} {v['time_s']:7.1f} {v['episodes'] or 0:8d}")
         if row["seed_spread"] is not None:
             print(f"{name:8} MCTS seed spread {row['seed_spread'] * 100:.2f} %  (capture {row['capture_s']:.1f} s, {row['ops']} ops)")
+        vs = row.get("mcts_vs_random")
+        if vs:
+            print(f"{name:8} MCTS vs random, seed by seed: {vs['wins']} wins, {vs['ties']} ties, {vs['losses']} losses; "
+                  f"medians {vs['median_mcts_s'] * 1e3:.2f} vs {vs['median_random_s'] * 1e3:.2f} ms ({vs['median']})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    prev = json.loads(Path(args.out).read_text()) if Path(args.out).exists() and args.only else {}
+    prev = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    if not args.only:  # a full run replaces the scenarios, and keeps the end-to-end timing (--e2e)
+        prev = {k: v for k, v in prev.items() if k == "E2E"}
     prev.update(results)
     Path(args.out).write_text(json.dumps({"budget": args.budget, **prev} if not args.only else prev, indent=1))
 

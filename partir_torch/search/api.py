@@ -6,8 +6,9 @@ every axis the earlier tactics left free. Several axes are searched one after th
 share of the budget, from the state the previous one left ("incremental", the method's), or all in one
 tree ("joint"); `benchmarks/search.py` measures both. They land in different basins on different models
 (incremental is better on GPT 6.7B, joint on GPT-2-XL and the MoE), so the default ("both") gives each
-half of the budget and keeps the better plan. No name is read anywhere: the action space comes
-from roles and groups (`space.py`).
+40 % of the budget, then spends the last 20 % on the MCTS refinement (prune, then hill-climb; see `mcts.py`)
+from both plans, over all the axes at once, and keeps the best. No name is read anywhere: the action space
+comes from roles and groups (`space.py`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class SearchConfig:
     prune: bool = True
     goals: bool = True
     log: list[dict[str, Any]] = field(default_factory=list)  # one entry per searched Auto (stats, actions)
+    trace: list[list] = field(default_factory=list, repr=False)  # the actions of each entry of `log` kept
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Auto:
 
     axes: tuple[str, ...] | None = None
     goal: str = "time"
-    mode: str = "both"  # incremental | joint | both (half the budget each, the better plan wins)
+    mode: str = "both"  # incremental | joint | both (40 % of the budget each, then a refinement from both)
 
     def __post_init__(self) -> None:
         check_goal(self.goal)
@@ -85,23 +87,41 @@ class Auto:
             res = run_search(state, axes, "time", config, config.budget, seed=config.seed)
             config.log.append({"axes": list(axes), "goal": None, "algorithm": config.algorithm,
                                "actions": [str(a) for a in res.actions], **res.stats.to_json()})
+            config.trace.append(list(res.actions))
             state.__dict__.update(res.state.copy().__dict__)
             return
         if self.mode == "both" and len(axes) > 1:
-            # the two orders of search fall into different basins (benchmarks/search.py): run both, keep the better
-            half = replace(config, budget=config.budget.split(2), log=[])
+            # the two orders of search fall into different basins (benchmarks/search.py): run both (40 % of the
+            # budget each), then refine from the plans of both (the last 20 %) and keep the best
+            share = config.budget.split(5)
+            part = Budget(None if share.episodes is None else 2 * share.episodes,
+                          None if share.seconds is None else 2 * share.seconds)
             ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, self.goal)
             runs = []
             for mode in ("incremental", "joint"):
                 trial = state.copy()
-                cfg = replace(half, log=[])
+                cfg = replace(config, budget=part, log=[], trace=[])
                 replace(self, mode=mode).apply(trial, cfg)
-                runs.append((ev.key(ev.report(trial)), mode, trial, cfg.log))
-            _, mode, best, _ = min(runs, key=lambda r: r[0])
+                runs.append((ev.key(ev.report(trial)), mode, trial, cfg.log, [a for r in cfg.trace for a in r]))
+            _, mode, best, _, _ = min(runs, key=lambda r: r[0])
             for r in runs:
                 for e in r[3]:
-                    e["mode"], e["chosen"] = r[1], r[1] == mode
+                    e["mode"], e["chosen"] = r[1], r[1] == mode and config.algorithm != "mcts"
                 config.log.extend(r[3])
+            if config.algorithm != "mcts":
+                state.__dict__.update(best.__dict__)
+                return
+            res = polish(state, axes, self.goal, config, share, [r[4] for r in runs])
+            taken = ev.key(ev.report(res.state)) <= min(r[0] for r in runs)
+            if taken:
+                best = res.state.copy()
+            else:  # the better of the two runs stands (the log's chosen entries are its plan)
+                for e in next(r[3] for r in runs if r[1] == mode):
+                    e["chosen"] = True
+            config.log.append({"axes": list(axes), "goal": self.goal, "algorithm": config.algorithm, "mode": "refine",
+                               "chosen": taken, "from": mode, "actions": [str(a) for a in res.actions],
+                               **res.stats.to_json()})
+            config.trace.append(list(res.actions))
             state.__dict__.update(best.__dict__)
             return
         groups = [axes] if self.mode == "joint" else [(a,) for a in axes]
@@ -115,8 +135,17 @@ class Auto:
             res = run_search(state, ax, self.goal, cfg, budget, seed=config.seed + i)
             config.log.append({"axes": list(ax), "goal": self.goal, "algorithm": config.algorithm,
                                "actions": [str(a) for a in res.actions], **res.stats.to_json()})
+            config.trace.append(list(res.actions))
             best = res.state.copy()
             state.__dict__.update(best.__dict__)  # the schedule's state continues from the best plan
+
+
+def polish(state: ShardingState, axes: tuple[str, ...], goal: str, config: SearchConfig, budget: Budget,
+           starts: list[list]) -> Result:
+    """The refinement of `MCTS` (prune, then hill-climb), from each of `starts` (action lists from `state`)."""
+    ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, goal)
+    m = MCTS(state, ev, axes, KINDS[goal], seed=config.seed, prune=config.prune)
+    return m.run(budget, refine=1.0, starts=starts)
 
 
 def run_search(state: ShardingState, axes: tuple[str, ...], goal: str, config: SearchConfig, budget: Budget,
@@ -134,13 +163,15 @@ def run_search(state: ShardingState, axes: tuple[str, ...], goal: str, config: S
 def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", schedule=None,
            hardware: str | Hardware = "cpu-virtual", memory: float | None = None, dcn_axes=(), seed: int = 0,
            budget: str | int | Budget | None = None, goal: str = "time", algorithm: str = "mcts",
-           fold: bool = True, progress: bool = False, require_fit: bool = True):
+           fold: bool = True, progress: bool = False, require_fit: bool = True, prune: bool = True,
+           goals: bool = True):
     """Find a sharding plan for one training step of `model` on `mesh` (`{"batch": 2, "model": 4}`,
     `"batch=2,model=4"` or a `Mesh`) and return it as a `ShardingPlan` (specs, cost report, statistics).
 
     `schedule` defaults to `Auto` on every axis; a text such as `"batch:BatchParallel;model:Auto"` mixes
     manual tactics and search. `memory` (bytes) overrides the preset's device memory. With `require_fit`
-    an `InfeasibleError` reports the best plan when none fits.
+    an `InfeasibleError` reports the best plan when none fits. `prune=False` / `goals=False` are the
+    ablations of `SearchConfig` (no propagation-based pruning of actions / no per-axis goals).
     """
     from partir_torch.capture import capture
     from partir_torch.ir.mesh import Mesh
@@ -153,7 +184,8 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
         mesh = Mesh.parse(mesh)
     hw = get_hardware(hardware)
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else list(schedule or [Auto(goal=goal)])
-    config = SearchConfig(hw, frozenset(dcn_axes), memory, seed, Budget.parse(budget), algorithm, progress)
+    config = SearchConfig(hw, frozenset(dcn_axes), memory, seed, Budget.parse(budget), algorithm, progress,
+                          prune=prune, goals=goals)
     program = capture(model, example_inputs, loss_fn, optimizer, fold=fold)
     state = apply_schedule(program, mesh, tactics, search=config)
     from partir_torch.cost.model import evaluate

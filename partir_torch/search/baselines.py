@@ -5,6 +5,9 @@
     beam        breadth-first over action sets, keeping the `width` best states per depth
     exhaustive  every set of up to `max_depth` actions (small programs only): the optimum of the space,
                 to measure the optimality gap of the others
+Each answer but the exhaustive one is simplified as the MCTS's is (`mcts.simplify`: an action whose removal keeps the plan within
+0.5 % of the best step time found is dropped; a few evaluations after the budget), so that all are judged by
+the same objective.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 
 from partir_torch.propagate import ShardingState
 from partir_torch.search.goals import Evaluator
-from partir_torch.search.mcts import Budget, Result, Stats
+from partir_torch.search.mcts import Budget, Result, Stats, simplify
 from partir_torch.search.space import Action, apply_action, candidates
 
 
@@ -45,7 +48,17 @@ class _Run:
             self.stats.best_at_episode = self.stats.episodes
         return k, s
 
-    def result(self) -> Result:
+    def result(self, root: ShardingState, simplicity: float = 0.005) -> Result:
+        """The best plan, simplified by the rule of the MCTS refinement (`mcts.simplify`): the same objective."""
+        def replay(acts: list[Action]) -> ShardingState | None:
+            s = root
+            for a in acts:
+                s = s.copy()
+                if not apply_action(s, a):
+                    return None
+            return s
+
+        self.best = simplify(replay, self.ev, self.best, self.best[0], simplicity)
         self.stats.time_s = time.perf_counter() - self.t0
         self.stats.evaluations = self.ev.evaluations - self.ev0
         self.stats.cost_time_s = self.ev.cost_time_s - self.ct0
@@ -68,7 +81,7 @@ def random_search(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budge
                 s, acts = got[1], [*acts, a]
         if not candidates(root, axes, kinds):
             break
-    return run.result()
+    return run.result(root)
 
 
 def greedy(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, **_) -> Result:
@@ -85,7 +98,7 @@ def greedy(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, **_)
         if best is None or best[0] >= cur:
             break
         cur, s, acts = best[0], best[1], [*acts, best[2]]
-    return run.result()
+    return run.result(root)
 
 
 def beam(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, *, width: int = 4, **_) -> Result:
@@ -108,7 +121,7 @@ def beam(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, *, wid
         level = nxt[:width]
         if run.best[0] >= before and level and level[0][0] > before:
             break  # no state of this depth improved on the best: stop
-    return run.result()
+    return run.result(root)
 
 
 def exhaustive(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget | None = None, *,
@@ -128,7 +141,7 @@ def exhaustive(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget |
                 if got is not None:
                     nxt.append((got[1], [*acts, a]))
         level = nxt
-    return run.result()
+    return run.result(root, 0.0)  # the optimum itself (only actions that change nothing are dropped)
 
 
 ALGORITHMS = {"random": random_search, "greedy": greedy, "beam": beam, "exhaustive": exhaustive}

@@ -11,8 +11,12 @@
                   actions in another order, or different actions that propagate to the same plan) are
                   one node (transposition table)
       3. simulate score the new node as it stands (STOP here), then roll out: up to `rollout_depth`
-                  random candidate actions, stopping with probability `p_stop` before each; score that
-      4. back up  the better of the two rewards along the selected path
+                  candidate actions, stopping with probability `p_stop` before each; each is, with
+                  probability `greedy_rollout` (0.5), the candidate whose episodes so far have the best mean
+                  reward (move-average sampling, MAST: an action that pays off anywhere in the tree, such as
+                  the batch split of an input, is tried in the rollouts of the others), else a random one
+                  (or random while no candidate has been tried); score that
+      4. back up  the better of the two rewards along the selected path, and into the per-action means
     the answer is the best state ever scored, in the goal's order (anytime: the budget can end it at any
     episode). Deterministic for a seed under an episode budget; a time budget varies the episode count.
 
@@ -23,12 +27,21 @@ and no dropping of actions that change nothing: only action sets are merged (an 
 twice on one path).
 
 Refinement (the last `refine` share of the budget): rollouts leave incidental actions in the best plan, and
-the tree rarely reaches the last small improvement. So the best plan is (1) pruned: each action whose
-removal keeps the plan within `simplicity` (0.5 %) of the best step time found is dropped, and (2)
-hill-climbed: the single candidate action that improves it most is added, while one improves it by more
-than `simplicity` (or makes it fit). Sharding more than a plan needs costs what the cost model does not
-see (more collectives to launch, more to debug) and the model is not accurate to 0.5 %: a decision must
-earn its place.
+the tree rarely reaches the last small improvements. So a local search runs from each of the `elite` (4)
+best distinct plans seen, best first, and from `starts` (plans of other searches, see `Auto` "both"):
+  (1) prune: each action whose removal keeps the plan within `simplicity` (0.5 %) of the best step time found
+      (or no worse than the plan itself) is dropped, newest first (`simplify`);
+  (2) hill-climb: the best of the neighbours one move away is taken while it improves the plan by more than
+      `simplicity` (or makes it fit). The moves, by groups, a group tried only when none before improves:
+      (a) append one candidate action; (b) replace one action by another on the same slot (another dim, ZeRO
+      stage, or ZeRO instead of a tile); (c) insert one action before an action that made it illegal (a ZeRO
+      move fences the parameters on its axis, a tile propagates its axis; the orders of the tree are not
+      commutative), first before the ZeRO moves, the candidates ordered by the tree's scores of the shorter
+      plan with them; the first insertion that improves is taken (the costly group);
+and the best result (with the `simplicity` margin, the first start winning ties) is the answer. The
+refinement's budget is counted in applied actions (each replay applies the plan's actions again).
+Sharding more than a plan needs costs what the cost model does not see (more collectives to launch, more to
+debug) and the model is not accurate to 0.5 %: a decision must earn its place.
 """
 
 from __future__ import annotations
@@ -40,7 +53,30 @@ from dataclasses import dataclass, field
 
 from partir_torch.propagate import ShardingState
 from partir_torch.search.goals import Evaluator
-from partir_torch.search.space import Action, apply_action, candidates
+from partir_torch.search.space import Action, ShardOptimizer, apply_action, candidates
+
+
+def simplify(replay, ev: Evaluator, plan: tuple, ref: tuple, simplicity: float, spent=lambda: False,
+             seen=None) -> tuple:
+    """Drop each action of `plan` = (key, state, actions), newest first, whose removal keeps it as good or
+    within `simplicity` of the step time of `ref` (the best found), in passes until one drops nothing: a
+    decision must earn its place.
+    `replay(actions)` makes a plan's state (None: illegal); `seen(key, state, actions)` sees each trial."""
+    key, state, acts = plan
+    dropped = True
+    while dropped:  # again while a pass drops something (an action may earn its place only beside another)
+        dropped, i = False, len(acts) - 1
+        while i >= 0 and not spent():
+            trial = acts[:i] + acts[i + 1:]
+            s = replay(trial)
+            if s is not None:
+                k, _ = ev.score(s, frozenset(trial))
+                if seen is not None:
+                    seen(k, s, trial)
+                if k[0] == key[0] and k[1] <= key[1] and k[2] <= max(key[2], ref[2] * (1 + simplicity)):
+                    key, state, acts, dropped = k, s, trial, True
+            i -= 1
+    return key, state, acts
 
 
 @dataclass
@@ -118,7 +154,8 @@ class Result:
 class MCTS:
     def __init__(self, root: ShardingState, evaluator: Evaluator, axes: tuple[str, ...], kinds: frozenset[str], *,
                  seed: int = 0, c: float = 0.5, rollout_depth: int = 3, p_stop: float = 0.3, max_depth: int = 12,
-                 simplicity: float = 0.005, progress: bool = False, prune: bool = True) -> None:
+                 simplicity: float = 0.005, progress: bool = False, prune: bool = True, elite: int = 4,
+                 greedy_rollout: float = 0.5) -> None:
         self.simplicity, self.prune = simplicity, prune
         self.ev, self.axes, self.kinds = evaluator, axes, kinds
         self.rng = random.Random(seed)
@@ -132,6 +169,11 @@ class MCTS:
         self.root = self._node(frozenset(), root, 0, [])
         self.ref, _ = self.ev.score(root, frozenset())
         self.best: tuple[tuple, ShardingState, list[Action]] = (self.ref, root, [])
+        self.elite_size = elite
+        self.greedy_rollout = greedy_rollout
+        self.mast: dict[Action, list[float]] = {}  # action -> [sum of rewards, episodes] of episodes that took it
+        self._applied = 0  # actions applied (and propagated): the refinement's budget unit
+        self.elite: dict[int, tuple[tuple, ShardingState, list[Action]]] = {}  # the best distinct plans seen
 
     def _fingerprint(self, state: ShardingState) -> int:
         """The decisions of a state: shardings and fences of its parameters, inputs and optimizer states."""
@@ -154,6 +196,7 @@ class MCTS:
 
     def _apply(self, state: ShardingState, action: Action) -> ShardingState | None:
         t0 = time.perf_counter()
+        self._applied += 1
         s = state.copy()
         ok = apply_action(s, action)
         self.stats.propagation_time_s += time.perf_counter() - t0
@@ -163,6 +206,17 @@ class MCTS:
         if key < self.best[0]:
             self.best = (key, state, actions)
             self.stats.best_at_episode = self.stats.episodes
+        el = self.elite
+        if len(el) >= self.elite_size and key >= max(e[0] for e in el.values()):
+            return
+        fp = self._fingerprint(state)
+        if fp in el:
+            if key < el[fp][0] or (key == el[fp][0] and len(actions) < len(el[fp][2])):
+                el[fp] = (key, state, actions)
+            return
+        el[fp] = (key, state, actions)
+        if len(el) > self.elite_size:
+            del el[max(el, key=lambda f: el[f][0])]
 
     @staticmethod
     def _pruned(child: _Node, node: _Node, path: list[_Node]) -> bool:
@@ -218,7 +272,7 @@ class MCTS:
             cands = self._candidates(s)
             if not cands:
                 break
-            a = cands[self.rng.randrange(len(cands))]
+            a = self._rollout_action(cands)
             nxt = self._apply(s, a)
             if nxt is None:
                 continue
@@ -232,60 +286,147 @@ class MCTS:
         for n in path:  # back up
             n.n += 1
             n.q += r
+        for a in ro_acts:  # and per action, for the rollouts
+            m = self.mast.setdefault(a, [0.0, 0])
+            m[0] += r
+            m[1] += 1
         self.stats.episodes += 1
 
-    def _replay(self, actions: list[Action]) -> ShardingState | None:
-        s = self.root.state
+    def _rollout_action(self, cands: list[Action]) -> Action:
+        """With probability `greedy_rollout`, the candidate whose episodes have had the best mean reward so far
+        (move-average sampling); else, or while none has been tried, a uniformly random one."""
+        if self.greedy_rollout and self.rng.random() < self.greedy_rollout:
+            mast = self.mast
+            best, mean = None, -1.0
+            for a in cands:
+                m = mast.get(a)
+                if m is not None and m[0] / m[1] > mean:
+                    best, mean = a, m[0] / m[1]
+            if best is not None:
+                return best
+        return cands[self.rng.randrange(len(cands))]
+
+    def _replay(self, actions: list[Action], start: ShardingState | None = None) -> ShardingState | None:
+        s = self.root.state if start is None else start
         for a in actions:
             s = self._apply(s, a)
             if s is None:
                 return None
         return s
 
-    def refine(self, deadline: float | None, max_evals: int | None) -> None:
-        """Prune incidental actions from the best plan, then hill-climb it (see the module docstring)."""
-        used = 0
+    def better(self, k: tuple, than: tuple) -> bool:
+        """`k` beats `than` by more than `simplicity` (or fits where `than` does not, or uses less memory)."""
+        return k[0] < than[0] or (k[0] == than[0] and (k[1] < than[1] if k[0] else k[2] < than[2] * (1 - self.simplicity)))
+
+    def refine(self, deadline: float | None, max_evals: int | None, starts: list[list[Action]] | None = None) -> None:
+        """Local search from the best plans found (see the module docstring): each is pruned, then hill-climbed;
+        the best result, in the goal's order with the `simplicity` margin, becomes the answer.
+
+        `starts`: action lists (from the root) to refine as well, e.g. the plans of other searches."""
+        applied0 = self._applied
 
         def spent() -> bool:
-            return (deadline is not None and time.perf_counter() >= deadline) or (max_evals is not None and used >= max_evals)
+            return ((deadline is not None and time.perf_counter() >= deadline)
+                    or (max_evals is not None and self._applied - applied0 >= max_evals))
 
-        base = key = self.best[0]
-        _, state, acts = self.best
-        i = len(acts) - 1
-        while i >= 0 and not spent():  # prune, newest first
-            trial = acts[:i] + acts[i + 1:]
-            s = self._replay(trial)
-            used += 1
+        pool = sorted(self.elite.values(), key=lambda e: e[0])
+        plans: list[tuple[tuple, ShardingState, list[Action]]] = []
+        for acts in starts or []:
+            s = self._replay(acts)
             if s is not None:
-                k, _ = self.ev.score(s, frozenset(trial))
-                if k[0] == base[0] and k[1] <= base[1] and k[2] <= base[2] * (1 + self.simplicity):
-                    key, state, acts = k, s, trial
-            i -= 1
-        self.best = (key, state, acts)  # within `simplicity` of the best found, with fewer decisions
+                k, _ = self.ev.score(s, frozenset(acts))
+                self._consider(k, s, list(acts))
+                plans.append((k, s, list(acts)))
+        plans = sorted(plans + pool, key=lambda e: e[0])
+        seen: set[int] = set()  # starts, and plans already hill-climbed
+        ref = self.best[0]  # prune towards the best step time found
+        answer = None
+        for key, state, acts in plans:
+            fp = self._fingerprint(state)
+            if fp in seen or spent():
+                continue
+            got = self._local_search(key, state, acts, ref, spent, seen)
+            if got is None:
+                continue
+            if answer is None or self.better(got[0], answer[0]):
+                answer = got
+        if answer is not None:
+            self.best = answer
 
-        def better(k: tuple, than: tuple) -> bool:
-            return k[0] < than[0] or (k[0] == than[0] and (k[1] < than[1] if k[0] else k[2] < than[2] * (1 - self.simplicity)))
-
-        while not spent():  # hill-climb
+    def _local_search(self, key: tuple, state: ShardingState, acts: list[Action], ref: tuple, spent,
+                      seen: set[int]) -> tuple | None:
+        key, state, acts = simplify(self._replay, self.ev, (key, state, acts), ref, self.simplicity, spent,
+                                    self._consider)
+        # within `simplicity` of the best found, with fewer decisions; now hill-climb (unless done from here)
+        fp = self._fingerprint(state)
+        if fp in seen:
+            return None
+        seen.add(fp)
+        while not spent():
             step = None
-            for a in self._candidates(state):
-                if spent():
-                    break
-                s = self._apply(state, a)
-                used += 1
-                if s is None:
-                    continue
-                k, _ = self.ev.score(s, frozenset([*acts, a]))
-                if better(k, key) and (step is None or k < step[0]):
-                    step = (k, s, a)
+            for group, trial, s in self._neighbours(state, acts, spent):
+                if step is not None and group > step[3]:
+                    break  # an append improves: the costlier moves are not needed
+                k, _ = self.ev.score(s, frozenset(trial))
+                self._consider(k, s, trial)
+                if self.better(k, key) and (step is None or k < step[0]):
+                    step = (k, s, trial, group)
+                    if group == 2:
+                        break  # the costly moves: take the first that improves
             if step is None:
                 break
-            key, state, acts = step[0], step[1], [*acts, step[2]]
-            self.best = (key, state, acts)
+            key, state, acts = step[:3]
+        return key, state, acts
 
-    def run(self, budget: Budget, *, refine: float = 0.2) -> Result:
+    def _neighbours(self, state: ShardingState, acts: list[Action], spent):
+        """Plans one move from `acts`, by groups, each tried only if no move of the groups before improves:
+        (0) one candidate action appended; (1) one action replaced by another on the same slot (another dim,
+        ZeRO stage, or ZeRO instead of a tile); (2) one action inserted before an action that makes it illegal
+        (a ZeRO move fences the parameters on its axis, a tile propagates its axis): first before the ZeRO
+        moves, then before each other action, last to first, each position's actions in the order of the
+        tree's scores of the shorter plan with that action; the first that improves is taken."""
+        have = set(acts)
+        for a in self._candidates(state):
+            if spent():
+                return
+            s = self._apply(state, a)
+            if s is not None:
+                yield 0, [*acts, a], s
+        prefixes = [self.root.state]  # prefixes[i]: the plan of acts[:i]
+        for a in acts[:-1]:
+            nxt = self._apply(prefixes[-1], a)
+            if nxt is None:
+                return
+            prefixes.append(nxt)
+        for i, a in enumerate(acts):  # another decision for the same slot (a dim, a ZeRO stage, tile or ZeRO)
+            for c in self._candidates(prefixes[i]):
+                if c.target != a.target or c == a or c in have:
+                    continue
+                if spent():
+                    return
+                trial = [*acts[:i], c, *acts[i + 1:]]
+                s = self._replay(trial[i:], prefixes[i])
+                if s is not None:
+                    yield 1, trial, s
+        after = set(self._candidates(state))
+        fences = [i for i, a in enumerate(acts) if isinstance(a, ShardOptimizer)]
+        for i in fences + [i for i in reversed(range(len(acts))) if i not in fences]:
+            # the tree's scores of `acts[:i] + [c]`, where it has them, order the trials (best first)
+            cache, worst = self.ev.cache, (2, 0.0, 0.0)
+            cands = [c for c in self._candidates(prefixes[i]) if c not in after and c not in have]
+            cands.sort(key=lambda c: cache.get(frozenset([*acts[:i], c]), worst))
+            for c in cands:
+                if spent():
+                    return
+                trial = [*acts[:i], c, *acts[i:]]
+                s = self._replay(trial[i:], prefixes[i])
+                if s is not None:
+                    yield 2, trial, s
+
+    def run(self, budget: Budget, *, refine: float = 0.2, starts: list[list[Action]] | None = None) -> Result:
+        """Search for `1 - refine` of the budget, then refine (from `starts` too); `refine=1`: refine only."""
         t0 = time.perf_counter()
-        main = Budget(None if budget.episodes is None else max(1, int(budget.episodes * (1 - refine))),
+        main = Budget(None if budget.episodes is None else int(budget.episodes * (1 - refine)) or int(refine < 1),
                       None if budget.seconds is None else budget.seconds * (1 - refine))
         ev0, ct0 = self.ev.evaluations, self.ev.cost_time_s
         bar = None
@@ -309,7 +450,7 @@ class MCTS:
                                f"{'fits' if not self.best[0][0] else 'does not fit'}, {self.best[0][2] * 1e3:.2f} ms")
             if refine > 0:
                 self.refine(None if budget.seconds is None else t0 + budget.seconds,
-                            None if budget.episodes is None else max(8, int(budget.episodes * refine * 4)))
+                            None if budget.episodes is None else max(8, int(budget.episodes * refine * 4)), starts)
         finally:
             if bar is not None:
                 bar.stop()

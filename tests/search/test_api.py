@@ -116,3 +116,12 @@ def test_search_does_not_shard_more_than_data_parallelism_needs():
     assert plan.inputs[0][0] == "batch"
     assert all(x is None for spec in plan.params.values() for x in spec), plan.params
     assert all(x is None for st in plan.optimizer_state.values() for spec in st.values() for x in spec)
+
+
+def test_search_takes_the_ablation_knobs():
+    model, inputs, loss_fn = models.build("tiny-mlp")
+    plan = search(model, inputs, "batch=2,model=2", loss_fn=loss_fn, hardware="tpu-v5e", budget=20, prune=False,
+                  goals=False)
+    per_axis = plan.search["per_axis"]
+    assert len(per_axis) == 1 and per_axis[0]["goal"] is None and per_axis[0]["axes"] == ["batch", "model"]
+    assert 0 < plan.search["episodes"] <= 20
