@@ -2,14 +2,19 @@
 
     root: the state left by the schedule's earlier tactics; a node is the set of actions applied so far
     until the budget (episodes or seconds) is spent:
-      1. select   from the root, while a node has no untried action and has children, go to the child
-                  maximizing  Q/n + c * sqrt(ln N / n)   (UCT; rewards lie in (0, 2], see goals.py)
-      2. expand   pop one untried action of the node (the candidates are pruned by propagation: only
-                  legal actions not already implied are offered), apply it to a copy of the node's state
-                  and propagate; an action that leaves every decision as it was is dropped, and states
+      1. select   from the root, while a node has children and no untried action (or is wide, below), go
+                  to the child maximizing  Q/n + c * sqrt(ln N / n)   (UCT; rewards: see goals.py)
+      2. expand   pop one untried action of the node, in random order (the candidates are pruned by
+                  propagation: only legal actions not already implied are offered), apply it to a copy
+                  of the node's state and propagate; an action that leaves every decision as it was is dropped, and states
                   with the same shardings of parameters, inputs and optimizer states (the same set of
                   actions in another order, or different actions that propagate to the same plan) are
-                  one node (transposition table)
+                  one node (transposition table). A wide node (more than `widen_above`, 128, candidates:
+                  the U-Net's 245 first actions, where a 10 s budget buys ~250 episodes) is widened
+                  progressively: at most `widen` * sqrt(n + 1) children (3, n its visits), expanded
+                  largest decision first (the bytes the action tiles, `space.decided_bytes`; ties in
+                  random order), so the tree goes deep on the big decisions instead of spending the whole
+                  budget one level down
       3. simulate score the new node as it stands (STOP here), then roll out: up to `rollout_depth`
                   candidate actions, stopping with probability `p_stop` before each; each is, with
                   probability `greedy_rollout` (0.5), the candidate whose episodes so far have the best mean
@@ -53,7 +58,7 @@ from dataclasses import dataclass, field
 
 from partir_torch.propagate import ShardingState
 from partir_torch.search.goals import Evaluator
-from partir_torch.search.space import Action, ShardOptimizer, apply_action, candidates
+from partir_torch.search.space import Action, ShardOptimizer, apply_action, candidates, decided_bytes
 
 
 def simplify(replay, ev: Evaluator, plan: tuple, ref: tuple, simplicity: float, spent=lambda: False,
@@ -138,6 +143,7 @@ class _Node:
     untried: list[Action]
     depth: int
     acts: list[Action]  # the legal actions that made `state` from the root, in order
+    width: int = 0  # candidates when created
     children: list[tuple[Action, _Node]] = field(default_factory=list)
     n: int = 0
     q: float = 0.0
@@ -155,8 +161,9 @@ class MCTS:
     def __init__(self, root: ShardingState, evaluator: Evaluator, axes: tuple[str, ...], kinds: frozenset[str], *,
                  seed: int = 0, c: float = 0.5, rollout_depth: int = 3, p_stop: float = 0.3, max_depth: int = 12,
                  simplicity: float = 0.005, progress: bool = False, prune: bool = True, elite: int = 4,
-                 greedy_rollout: float = 0.5) -> None:
-        self.simplicity, self.prune = simplicity, prune
+                 greedy_rollout: float = 0.5, widen: float | None = 3.0, widen_above: int = 128) -> None:
+        self.simplicity, self.prune, self.widen = simplicity, prune, widen
+        self.widen_above = widen_above
         self.ev, self.axes, self.kinds = evaluator, axes, kinds
         self.rng = random.Random(seed)
         self.c, self.rollout_depth, self.p_stop, self.max_depth = c, rollout_depth, p_stop, max_depth
@@ -185,11 +192,19 @@ class MCTS:
         if not self.prune:
             untried = [a for a in untried if a not in key]  # an action set: the same action twice is one
         self.rng.shuffle(untried)
-        node = self.table[key] = _Node(key, state, untried, depth, acts)
+        if self.widen is not None and len(untried) > self.widen_above:  # prior: largest decision first (popped last)
+            untried.sort(key=lambda a: decided_bytes(state, a))
+        node = self.table[key] = _Node(key, state, untried, depth, acts, len(untried))
         if self.prune:
             self.by_print[self._fingerprint(state)] = node
         self.stats.nodes += 1
         return node
+
+    def _wide(self, node: _Node) -> bool:
+        """Progressive widening: a node of n visits has at most `widen` * sqrt(n) children, so a node with
+        hundreds of candidates is searched in depth before it is fully expanded."""
+        return (self.widen is not None and node.width > self.widen_above
+                and len(node.children) >= self.widen * math.sqrt(node.n + 1))
 
     def _candidates(self, state: ShardingState) -> list[Action]:
         return candidates(state, self.axes, self.kinds, prune=self.prune)
@@ -226,7 +241,7 @@ class MCTS:
 
     def episode(self) -> None:
         node, path, acts = self.root, [self.root], []
-        while not node.untried and node.children:  # select
+        while node.children and (not node.untried or self._wide(node)):  # select
             logn = math.log(node.n + 1)
             a, node = max(node.children, key=lambda ch: ch[1].q / max(ch[1].n, 1)
                           + self.c * math.sqrt(logn / max(ch[1].n, 1)))

@@ -210,6 +210,29 @@ def _all_actions(p: Program, axes: tuple[str, ...], kinds: frozenset[str]) -> li
     return out
 
 
+def decided_bytes(state: ShardingState, action: Action) -> int:
+    """The bytes an action decides directly (the values it tiles, before propagation): the search's prior,
+    largest decision first. A property of shapes and roles only; the whole-model ZeRO move decides every
+    optimizer state."""
+    p = state.program
+    cache = getattr(p, "_decided_bytes", None)
+    if cache is None:
+        cache = p._decided_bytes = {}  # type: ignore[attr-defined]
+    key = (action.target, isinstance(action, ShardOptimizer) and action.stage)
+    got = cache.get(key)
+    if got is None:
+        if isinstance(action, ShardOptimizer):
+            names = list(p.opt_states) if action.target == "*" else [p.values[v].name for v in state.resolve(action.target)]
+            got = sum(p.values[v].nbytes for n in names for s, v in p.opt_states.get(n, {}).items()
+                      if s not in p.shared_states)
+            if action.stage == 3:
+                got += sum(p.values[p.params[n]].nbytes for n in names)
+        else:
+            got = sum(p.values[v].nbytes for v in state.resolve(action.target))
+        cache[key] = got
+    return got
+
+
 def apply_action(state: ShardingState, action: Action) -> bool:
     """Apply in place; False (state possibly half-changed: use a copy) when the action is illegal."""
     try:

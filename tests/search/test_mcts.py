@@ -176,3 +176,22 @@ def test_baselines_answer_with_the_same_simplicity_rule():
     key, _ = ev.score(state)
     _, _, kept = simplify(replay, ev, (key, state, acts), key, 0.005)
     assert kept == acts[:1]
+
+
+def test_wide_nodes_are_widened_progressively_largest_decision_first(mlp):
+    """A node with more candidates than `widen_above` keeps at most `widen` * sqrt(n + 1) children, and
+    expands them largest decision (bytes it tiles) first; below the threshold nothing changes."""
+    from partir_torch.search.space import decided_bytes
+
+    root = ShardingState(mlp, Mesh.parse("batch=4,model=2"))
+    n_cands = len(candidates(root, ("batch", "model"), ALL))
+    m = MCTS(root, _ev(), ("batch", "model"), ALL, seed=1, widen=1.0, widen_above=0)
+    m.run(Budget(episodes=40), refine=0.0)
+    node = m.root
+    assert len(node.children) <= 1.0 * (node.n + 1) ** 0.5 + 1 < n_cands
+    sizes = [decided_bytes(root, a) for a, _ in node.children]
+    assert sizes[0] == max(decided_bytes(root, a) for a in candidates(root, ("batch", "model"), ALL))
+    assert sizes == sorted(sizes, reverse=True)
+    narrow = MCTS(root, _ev(), ("batch", "model"), ALL, seed=1, widen=1.0, widen_above=n_cands)
+    narrow.run(Budget(episodes=40), refine=0.0)
+    assert len(narrow.root.children) > len(node.children)
