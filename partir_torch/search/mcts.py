@@ -38,13 +38,17 @@ best distinct plans seen, best first, and from `starts` (plans of other searches
       (or no worse than the plan itself) is dropped, newest first (`simplify`);
   (2) hill-climb: the best of the neighbours one move away is taken while it improves the plan by more than
       `simplicity` (or makes it fit). The moves, by groups, a group tried only when none before improves:
-      (a) append one candidate action; (b) replace one action by another on the same slot (another dim, ZeRO
+      (a) append one candidate action (on a wide plan, more than `widen_above` candidates, they are tried
+      in the order of their mean reward in the episodes, MAST, and the first that improves is taken: a
+      U-Net append scan costs ~250 propagations); (b) replace one action by another on the same slot (another dim, ZeRO
       stage, or ZeRO instead of a tile); (c) insert one action before an action that made it illegal (a ZeRO
       move fences the parameters on its axis, a tile propagates its axis; the orders of the tree are not
       commutative), first before the ZeRO moves, the candidates ordered by the tree's scores of the shorter
       plan with them; the first insertion that improves is taken (the costly group);
 and the best result (with the `simplicity` margin, the first start winning ties) is the answer. The
-refinement's budget is counted in applied actions (each replay applies the plan's actions again).
+refinement's budget is counted in applied actions (each replay applies the plan's actions again). Under a
+time budget, a refinement that reaches its local optimum early hands the time left back to the tree (then
+refines again), so the budget is spent searching.
 Sharding more than a plan needs costs what the cost model does not see (more collectives to launch, more to
 debug) and the model is not accurate to 0.5 %: a decision must earn its place.
 """
@@ -205,6 +209,9 @@ class MCTS:
         hundreds of candidates is searched in depth before it is fully expanded."""
         return (self.widen is not None and node.width > self.widen_above
                 and len(node.children) >= self.widen * math.sqrt(node.n + 1))
+
+    def _wide_list(self, cands: list[Action]) -> bool:
+        return self.widen is not None and len(cands) > self.widen_above
 
     def _candidates(self, state: ShardingState) -> list[Action]:
         return candidates(state, self.axes, self.kinds, prune=self.prune)
@@ -379,6 +386,7 @@ class MCTS:
         seen.add(fp)
         while not spent():
             step = None
+            wide = self._wide_list(self._candidates(state))
             for group, trial, s in self._neighbours(state, acts, spent):
                 if step is not None and group > step[3]:
                     break  # an append improves: the costlier moves are not needed
@@ -386,8 +394,8 @@ class MCTS:
                 self._consider(k, s, trial)
                 if self.better(k, key) and (step is None or k < step[0]):
                     step = (k, s, trial, group)
-                    if group == 2:
-                        break  # the costly moves: take the first that improves
+                    if group == 2 or (group == 0 and wide):
+                        break  # the costly moves, or appends on a wide node: take the first that improves
             if step is None:
                 break
             key, state, acts = step[:3]
@@ -401,7 +409,11 @@ class MCTS:
         moves, then before each other action, last to first, each position's actions in the order of the
         tree's scores of the shorter plan with that action; the first that improves is taken."""
         have = set(acts)
-        for a in self._candidates(state):
+        cands = self._candidates(state)
+        if self._wide_list(cands):  # too many to try all: the actions the episodes rewarded most first
+            mast = self.mast
+            cands.sort(key=lambda a: -mast[a][0] / mast[a][1] if a in mast else 0.0)
+        for a in cands:
             if spent():
                 return
             s = self._apply(state, a)
@@ -439,7 +451,9 @@ class MCTS:
                     yield 2, trial, s
 
     def run(self, budget: Budget, *, refine: float = 0.2, starts: list[list[Action]] | None = None) -> Result:
-        """Search for `1 - refine` of the budget, then refine (from `starts` too); `refine=1`: refine only."""
+        """Search for `1 - refine` of the budget, then refine (from `starts` too); `refine=1`: refine only.
+        Under a time budget, a refinement that ends early (a local optimum) hands the time left back to the
+        tree, in the same shares, until less than 5 % of the budget is left."""
         t0 = time.perf_counter()
         main = Budget(None if budget.episodes is None else int(budget.episodes * (1 - refine)) or int(refine < 1),
                       None if budget.seconds is None else budget.seconds * (1 - refine))
@@ -451,21 +465,29 @@ class MCTS:
             bar = Progress(transient=True)
             bar.start()
             task = bar.add_task(f"MCTS on {', '.join(self.axes)}", total=budget.episodes or None)
+        end = None if main.seconds is None else t0 + main.seconds
         try:
             while True:
-                if main.episodes is not None and self.stats.episodes >= main.episodes:
+                while True:
+                    if main.episodes is not None and self.stats.episodes >= main.episodes:
+                        break
+                    if end is not None and time.perf_counter() >= end:
+                        break
+                    if not self.root.untried and not self.root.children:
+                        break  # nothing to do on these axes
+                    self.episode()
+                    if bar is not None:
+                        bar.update(task, advance=1, description=f"MCTS on {', '.join(self.axes)}: best "
+                                   f"{'fits' if not self.best[0][0] else 'does not fit'}, {self.best[0][2] * 1e3:.2f} ms")
+                if refine > 0:
+                    self.refine(None if budget.seconds is None else t0 + budget.seconds,
+                                None if budget.episodes is None else max(8, int(budget.episodes * refine * 4)), starts)
+                if end is None or refine >= 1 or (not self.root.untried and not self.root.children):
                     break
-                if main.seconds is not None and time.perf_counter() - t0 >= main.seconds:
+                left = t0 + budget.seconds - time.perf_counter()
+                if left < 0.05 * budget.seconds:
                     break
-                if not self.root.untried and not self.root.children:
-                    break  # nothing to do on these axes
-                self.episode()
-                if bar is not None:
-                    bar.update(task, advance=1, description=f"MCTS on {', '.join(self.axes)}: best "
-                               f"{'fits' if not self.best[0][0] else 'does not fit'}, {self.best[0][2] * 1e3:.2f} ms")
-            if refine > 0:
-                self.refine(None if budget.seconds is None else t0 + budget.seconds,
-                            None if budget.episodes is None else max(8, int(budget.episodes * refine * 4)), starts)
+                end = time.perf_counter() + left * (1 - refine)  # the refinement ended early: search on
         finally:
             if bar is not None:
                 bar.stop()

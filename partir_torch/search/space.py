@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from partir_torch.errors import IllegalActionError
 from partir_torch.ir.actions import Tile
-from partir_torch.ir.program import Phase, Program
+from partir_torch.ir.program import Phase, Program, Role
 from partir_torch.propagate import ShardingState
 
 
@@ -211,9 +211,10 @@ def _all_actions(p: Program, axes: tuple[str, ...], kinds: frozenset[str]) -> li
 
 
 def decided_bytes(state: ShardingState, action: Action) -> int:
-    """The bytes an action decides directly (the values it tiles, before propagation): the search's prior,
-    largest decision first. A property of shapes and roles only; the whole-model ZeRO move decides every
-    optimizer state."""
+    """The bytes an action decides (the values it tiles): the search's prior, largest decision first. A
+    property of shapes and roles only: the whole-model ZeRO move decides every optimizer state; an input's
+    tile decides, through propagation, the activations computed from it, which its own bytes do not measure,
+    so it counts the program's activation bytes on top of its own (inputs come first, larger first)."""
     p = state.program
     cache = getattr(p, "_decided_bytes", None)
     if cache is None:
@@ -228,7 +229,10 @@ def decided_bytes(state: ShardingState, action: Action) -> int:
             if action.stage == 3:
                 got += sum(p.values[p.params[n]].nbytes for n in names)
         else:
-            got = sum(p.values[v].nbytes for v in state.resolve(action.target))
+            vids = state.resolve(action.target)
+            got = sum(p.values[v].nbytes for v in vids)
+            if any(p.values[v].role is Role.INPUT for v in vids):
+                got += sum(v.nbytes for v in p.values if v.role is Role.ACTIVATION)
         cache[key] = got
     return got
 

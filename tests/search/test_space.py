@@ -116,3 +116,24 @@ def test_whole_model_zero_is_not_offered_again_once_nothing_divides():
         offered = candidates(state, ("batch", "model"), ALL)
         assert ShardOptimizer("*", -1, "batch", stage) not in offered
         assert all(apply_action(state.copy(), a) for a in offered)  # every pruned candidate is legal
+
+
+def test_decided_bytes_ranks_inputs_then_whole_model_zero_then_groups_by_size():
+    """The prior of wide nodes: an input's tile decides the activations computed from it, so it ranks first;
+    then the whole-model ZeRO move (every optimizer state); a group counts all its members."""
+    from partir_torch.ir.program import Role
+    from partir_torch.search.space import decided_bytes
+
+    _, _, p = _llama()
+    state = ShardingState(p, Mesh.parse("batch=2,model=4"))
+    cands = candidates(state, ("batch",), ALL)
+    by = {a: decided_bytes(state, a) for a in cands}
+    inputs = [a for a in cands if isinstance(a, Tile) and a.target.startswith("inputs[")]
+    params = [a for a in cands if isinstance(a, Tile) and not a.target.startswith("inputs[")]
+    acts = sum(v.nbytes for v in p.values if v.role is Role.ACTIVATION)
+    assert inputs and params and min(by[a] for a in inputs) > acts > 0
+    assert min(by[a] for a in inputs) > by[ShardOptimizer("*", -1, "batch", 1)] > max(by[a] for a in params)
+    group = next(a for a in params if "*" in a.target)
+    assert by[group] == sum(p.values[v].nbytes for v in state.resolve(group.target)) > p.values[
+        state.resolve(group.target)[0]].nbytes
+    assert by[ShardOptimizer("*", -1, "batch", 3)] > by[ShardOptimizer("*", -1, "batch", 1)]
