@@ -6,15 +6,15 @@
                   to the child maximizing  Q/n + c * sqrt(ln N / n)   (UCT; rewards: see goals.py)
       2. expand   pop one untried action of the node, in random order (the candidates are pruned by
                   propagation: only legal actions not already implied are offered), apply it to a copy
-                  of the node's state and propagate; an action that leaves every decision as it was is dropped, and states
-                  with the same shardings of parameters, inputs and optimizer states (the same set of
-                  actions in another order, or different actions that propagate to the same plan) are
-                  one node (transposition table). A wide node (more than `widen_above`, 128, candidates:
-                  the U-Net's 245 first actions, where a 10 s budget buys ~250 episodes) is widened
-                  progressively: at most `widen` * sqrt(n + 1) children (3, n its visits), expanded
-                  largest decision first (the bytes the action tiles, `space.decided_bytes`; ties in
-                  random order), so the tree goes deep on the big decisions instead of spending the whole
-                  budget one level down
+                  of the node's state and propagate; an action that leaves every decision as it was is
+                  dropped, and states with the same shardings of parameters, inputs and optimizer states
+                  (the same set of actions in another order, or different actions that propagate to the
+                  same plan) are one node (transposition table). A wide node (more than `widen_above`,
+                  128, candidates: the U-Net's 245 first actions, where a 10 s budget buys ~250 episodes)
+                  is widened progressively: at most `widen` * sqrt(n + 1) children (3, n its visits),
+                  expanded largest decision first (`space.decided_bytes`: the bytes the action tiles, an
+                  input's tile counting the activations propagation carries it to; ties in random
+                  order), so the tree goes deep instead of spending the whole budget one level down
       3. simulate score the new node as it stands (STOP here), then roll out: up to `rollout_depth`
                   candidate actions, stopping with probability `p_stop` before each; each is, with
                   probability `greedy_rollout` (0.5), the candidate whose episodes so far have the best mean
@@ -40,10 +40,10 @@ best distinct plans seen, best first, and from `starts` (plans of other searches
       `simplicity` (or makes it fit). The moves, by groups, a group tried only when none before improves:
       (a) append one candidate action (on a wide plan, more than `widen_above` candidates, they are tried
       in the order of their mean reward in the episodes, MAST, and the first that improves is taken: a
-      U-Net append scan costs ~250 propagations); (b) replace one action by another on the same slot (another dim, ZeRO
-      stage, or ZeRO instead of a tile); (c) insert one action before an action that made it illegal (a ZeRO
-      move fences the parameters on its axis, a tile propagates its axis; the orders of the tree are not
-      commutative), first before the ZeRO moves, the candidates ordered by the tree's scores of the shorter
+      U-Net append scan costs ~250 propagations); (b) replace one action by another on the same slot
+      (another dim, ZeRO stage, or ZeRO instead of a tile); (c) insert one action before an action that
+      made it illegal (a ZeRO move fences the parameters on its axis, a tile propagates its axis; the
+      orders of the tree are not commutative), first before the ZeRO moves, the candidates ordered by the tree's scores of the shorter
       plan with them; the first insertion that improves is taken (the costly group);
 and the best result (with the `simplicity` margin, the first start winning ties) is the answer. The
 refinement's budget is counted in applied actions (each replay applies the plan's actions again). Under a
@@ -205,7 +205,7 @@ class MCTS:
         return node
 
     def _wide(self, node: _Node) -> bool:
-        """Progressive widening: a node of n visits has at most `widen` * sqrt(n) children, so a node with
+        """Progressive widening: a node of n visits has at most `widen` * sqrt(n + 1) children, so a node with
         hundreds of candidates is searched in depth before it is fully expanded."""
         return (self.widen is not None and node.width > self.widen_above
                 and len(node.children) >= self.widen * math.sqrt(node.n + 1))
