@@ -22,6 +22,7 @@ from partir_torch.errors import IllegalActionError
 from partir_torch.ir.mesh import Mesh
 
 _REPLICATED: dict[int, Sharding] = {}
+_TILED: dict[tuple, Sharding] = {}  # (sharding, dim, axis) -> the tiled sharding (see `Sharding.tile`)
 
 
 @dataclass(frozen=True)
@@ -60,14 +61,20 @@ class Sharding:
 
     def tile(self, dim: int, axis: str, *, value: str = "value", shape: tuple[int, ...] | None = None,
              mesh: Mesh | None = None) -> Sharding:
-        """This sharding with `dim` further tiled (minor-most) by `axis`; checks the rule of §1."""
-        if not -len(self.dims) <= dim < len(self.dims):
-            raise IllegalActionError(f"{value} has rank {len(self.dims)}; dim {dim} does not exist")
+        """This sharding with `dim` further tiled (minor-most) by `axis`; checks the rule of §1. The result
+        depends only on (self, dim, axis), so it is shared (`_TILED`): propagation tiles thousands of values."""
+        got = _TILED.get((self, dim, axis))
+        if got is None:
+            if not -len(self.dims) <= dim < len(self.dims):
+                raise IllegalActionError(f"{value} has rank {len(self.dims)}; dim {dim} does not exist")
+            if axis in self.axes:
+                raise IllegalActionError(
+                    f"axis {axis!r} is already used on {value} (sharding {self}); an axis tiles a value at most once"
+                )
+            dims = list(self.dims)
+            dims[dim % len(dims)] = (*dims[dim % len(dims)], axis)
+            got = _TILED[(self, dim, axis)] = Sharding(tuple(dims), self.partial)
         dim %= len(self.dims)
-        if axis in self.axes:
-            raise IllegalActionError(
-                f"axis {axis!r} is already used on {value} (sharding {self}); an axis tiles a value at most once"
-            )
         if shape is not None and mesh is not None:
             k = mesh.size(axis)
             for a in self.dims[dim]:
@@ -78,9 +85,7 @@ class Sharding:
                     f"the dim must divide by the product of its axes' sizes {k} "
                     f"({', '.join(f'{a}={mesh.size(a)}' for a in (*self.dims[dim], axis))})"
                 )
-        dims = list(self.dims)
-        dims[dim] = (*dims[dim], axis)
-        return Sharding(tuple(dims), self.partial)
+        return got
 
     def local_shape(self, shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
         out = []
