@@ -18,7 +18,7 @@ import time
 from partir_torch.propagate import ShardingState
 from partir_torch.search.goals import Evaluator
 from partir_torch.search.mcts import Budget, Result, Stats, simplify
-from partir_torch.search.space import Action, apply_action, candidates
+from partir_torch.search.space import Action, apply_action, candidates, replay
 
 
 class _Run:
@@ -50,15 +50,7 @@ class _Run:
 
     def result(self, root: ShardingState, simplicity: float = 0.005) -> Result:
         """The best plan, simplified by the rule of the MCTS refinement (`mcts.simplify`): the same objective."""
-        def replay(acts: list[Action]) -> ShardingState | None:
-            s = root
-            for a in acts:
-                s = s.copy()
-                if not apply_action(s, a):
-                    return None
-            return s
-
-        self.best = simplify(replay, self.ev, self.best, self.best[0], simplicity)
+        self.best = simplify(lambda acts: replay(root, acts), self.ev, self.best, self.best[0], simplicity)
         self.stats.time_s = time.perf_counter() - self.t0
         self.stats.evaluations = self.ev.evaluations - self.ev0
         self.stats.cost_time_s = self.ev.cost_time_s - self.ct0

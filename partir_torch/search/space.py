@@ -247,3 +247,13 @@ def apply_action(state: ShardingState, action: Action) -> bool:
     except IllegalActionError:
         return False
     return True
+
+
+def replay(root: ShardingState, actions) -> ShardingState | None:
+    """The plan of `actions` applied in order to a copy of `root`; None when one of them is illegal."""
+    s = root
+    for a in actions:
+        s = s.copy()
+        if not apply_action(s, a):
+            return None
+    return s
