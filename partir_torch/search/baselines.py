@@ -18,7 +18,7 @@ import time
 from partir_torch.propagate import ShardingState
 from partir_torch.search.goals import Evaluator
 from partir_torch.search.mcts import Budget, Result, Stats, simplify
-from partir_torch.search.space import Action, apply_action, candidates, replay
+from partir_torch.search.space import Action, Plans, candidates, replay
 
 
 class _Run:
@@ -27,31 +27,33 @@ class _Run:
         self.stats, self.ev0, self.ct0 = Stats(), ev.evaluations, ev.cost_time_s
         k, _ = ev.score(root, frozenset())
         self.best: tuple[tuple, ShardingState, list[Action]] = (k, root, [])
+        self.plans = Plans(root)  # the same canonical order of actions as the MCTS (space.rank)
 
     def spent(self) -> bool:
         b = self.budget
         return ((b.episodes is not None and self.stats.episodes >= b.episodes)
                 or (b.seconds is not None and time.perf_counter() - self.t0 >= b.seconds))
 
-    def step(self, state: ShardingState, acts: list[Action], a: Action) -> tuple[tuple, ShardingState] | None:
-        t = time.perf_counter()
-        s = state.copy()
-        ok = apply_action(s, a)
-        self.stats.propagation_time_s += time.perf_counter() - t
-        if not ok:
+    def step(self, state: ShardingState, acts: list[Action], a: Action
+             ) -> tuple[tuple, ShardingState, list[Action]] | None:
+        """The plan of `acts` (state `state`) with `a` at its place: (score, state, actions), None if illegal."""
+        got = self.plans.extend(state, acts, a)
+        if got is None:
             return None
-        k, _ = self.ev.score(s, frozenset([*acts, a]))
+        s, new = got
+        k, _ = self.ev.score(s, frozenset(new))
         self.stats.episodes += 1
         self.stats.nodes += 1
         if k < self.best[0]:
-            self.best = (k, s, [*acts, a])
+            self.best = (k, s, new)
             self.stats.best_at_episode = self.stats.episodes
-        return k, s
+        return k, s, new
 
     def result(self, root: ShardingState, simplicity: float = 0.005) -> Result:
         """The best plan, simplified by the rule of the MCTS refinement (`mcts.simplify`): the same objective."""
         self.best = simplify(lambda acts: replay(root, acts), self.ev, self.best, self.best[0], simplicity)
         self.stats.time_s = time.perf_counter() - self.t0
+        self.stats.propagation_time_s = self.plans.time_s
         self.stats.evaluations = self.ev.evaluations - self.ev0
         self.stats.cost_time_s = self.ev.cost_time_s - self.ct0
         k, s, acts = self.best
@@ -64,13 +66,13 @@ def random_search(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budge
     while not run.spent():
         s, acts = root, []
         for _ in range(rng.randint(1, max_depth)):
-            cands = candidates(s, axes, kinds)
+            cands = run.plans.candidates(s, acts, axes, kinds)
             if not cands or run.spent():
                 break
             a = cands[rng.randrange(len(cands))]
             got = run.step(s, acts, a)
             if got is not None:
-                s, acts = got[1], [*acts, a]
+                _, s, acts = got
         if not candidates(root, axes, kinds):
             break
     return run.result(root)
@@ -81,15 +83,15 @@ def greedy(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, **_)
     s, acts, cur = root, [], run.best[0]
     while not run.spent():
         best = None
-        for a in candidates(s, axes, kinds):
+        for a in run.plans.candidates(s, acts, axes, kinds):
             if run.spent():
                 break
             got = run.step(s, acts, a)
             if got is not None and (best is None or got[0] < best[0]):
-                best = (got[0], got[1], a)
+                best = got
         if best is None or best[0] >= cur:
             break
-        cur, s, acts = best[0], best[1], [*acts, best[2]]
+        cur, s, acts = best
     return run.result(root)
 
 
@@ -101,14 +103,14 @@ def beam(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, *, wid
         before = run.best[0]
         nxt = []
         for _, s, acts in level:
-            for a in candidates(s, axes, kinds):
+            for a in run.plans.candidates(s, acts, axes, kinds):
                 key = frozenset([*acts, a])
                 if key in seen or run.spent():
                     continue
                 seen.add(key)
                 got = run.step(s, acts, a)
                 if got is not None:
-                    nxt.append((got[0], got[1], [*acts, a]))
+                    nxt.append(got)
         nxt.sort(key=lambda t: t[0])
         level = nxt[:width]
         if run.best[0] >= before and level and level[0][0] > before:
@@ -124,14 +126,14 @@ def exhaustive(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget |
     for _ in range(max_depth):
         nxt = []
         for s, acts in level:
-            for a in candidates(s, axes, kinds):
+            for a in run.plans.candidates(s, acts, axes, kinds):
                 key = frozenset([*acts, a])
                 if key in seen:
                     continue
                 seen.add(key)
                 got = run.step(s, acts, a)
                 if got is not None:
-                    nxt.append((got[1], [*acts, a]))
+                    nxt.append((got[1], got[2]))
         level = nxt
     return run.result(root, 0.0)  # the optimum itself (only actions that change nothing are dropped)
 

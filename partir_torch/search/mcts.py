@@ -5,18 +5,22 @@
       1. select   from the root, while a node has children and no untried action (or is wide, below), go
                   to the child maximizing  Q/n + c * sqrt(ln N / n)   (UCT; rewards: see goals.py)
       2. expand   pop one untried action of the node, in random order (the candidates are pruned by
-                  propagation: only legal actions not already implied are offered), apply it to a copy
-                  of the node's state and propagate; an action that leaves every decision as it was is
+                  propagation: only legal actions not already implied are offered, each judged at its
+                  place in the plan's canonical order, `space.rank`: parameter tiles, input tiles, then
+                  ZeRO moves and late tiles), put it at its place and propagate (replaying the actions
+                  after it, from a cached state of the prefix); an action that leaves every decision as it was is
                   dropped, and states with the same shardings of parameters, inputs and optimizer states
                   (the same set of actions in another order, or different actions that propagate to the
                   same plan) are one node (transposition table). A wide node (more than `widen_above`,
-                  128, candidates: the U-Net's 245 first actions, where a 10 s budget buys ~250 episodes)
+                  128, candidates: the U-Net's 245 first actions, where a 10 s budget buys ~150 episodes)
                   is widened progressively: at most `widen` * sqrt(n + 1) children (3, n its visits),
                   expanded largest decision first (`space.decided_bytes`: the bytes the action tiles, an
                   input's tile counting the activations propagation carries it to; ties in random
                   order), so the tree goes deep instead of spending the whole budget one level down
       3. simulate score the new node as it stands (STOP here), then roll out: up to `rollout_depth`
-                  candidate actions, stopping with probability `p_stop` before each; each is, with
+                  of the node's candidate actions (one per slot and axis), stopping with probability
+                  `p_stop` before each, put at their places in one replay (one illegal there is left
+                  out: a rollout is a sampling policy; what is scored is the plan replayed); each is, with
                   probability `greedy_rollout` (0.5), the candidate whose episodes so far have the best mean
                   reward (move-average sampling, MAST: an action that pays off anywhere in the tree, such as
                   the batch split of an input, is tried in the rollouts of the others), else a random one
@@ -38,7 +42,7 @@ best distinct plans seen, best first, and from `starts` (plans of other searches
       (or no worse than the plan itself) is dropped, newest first (`simplify`);
   (2) hill-climb: the best of the neighbours one move away is taken while it improves the plan by more than
       `simplicity` (or makes it fit). The moves, by groups, a group tried only when none before improves:
-      (a) append one candidate action (on a wide plan, more than `widen_above` candidates, they are tried
+      (a) add one candidate action at its place (on a wide plan, more than `widen_above` candidates, they are tried
       in the order of their mean reward in the episodes, MAST, and the first that improves is taken: a
       U-Net append scan costs ~250 propagations); (b) replace one action by another on the same slot
       (another dim, ZeRO stage, or ZeRO instead of a tile); (c) insert one action before an action that
@@ -62,7 +66,7 @@ from dataclasses import dataclass, field
 
 from partir_torch.propagate import ShardingState
 from partir_torch.search.goals import Evaluator
-from partir_torch.search.space import Action, ShardOptimizer, apply_action, candidates, decided_bytes
+from partir_torch.search.space import Action, Plans, ShardOptimizer, decided_bytes, place
 
 
 def simplify(replay, ev: Evaluator, plan: tuple, ref: tuple, simplicity: float, spent=lambda: False,
@@ -148,6 +152,7 @@ class _Node:
     depth: int
     acts: list[Action]  # the legal actions that made `state` from the root, in order
     width: int = 0  # candidates when created
+    cands: list[Action] = field(default_factory=list)  # the candidates when created (the rollouts draw from them)
     children: list[tuple[Action, _Node]] = field(default_factory=list)
     n: int = 0
     q: float = 0.0
@@ -177,13 +182,13 @@ class MCTS:
         p = root.program
         self._decided = [v.id for v in p.values if v.producer < 0]
         self.stats = Stats()
+        self.plans = Plans(root)  # plans in canonical order (space.rank); counts the actions applied (propagated)
         self.root = self._node(frozenset(), root, 0, [])
         self.ref, _ = self.ev.score(root, frozenset())
         self.best: tuple[tuple, ShardingState, list[Action]] = (self.ref, root, [])
         self.elite_size = elite
         self.greedy_rollout = greedy_rollout
         self.mast: dict[Action, list[float]] = {}  # action -> [sum of rewards, episodes] of episodes that took it
-        self._applied = 0  # actions applied (and propagated): the refinement's budget unit
         self.elite: dict[int, tuple[tuple, ShardingState, list[Action]]] = {}  # the best distinct plans seen
 
     def _fingerprint(self, state: ShardingState) -> int:
@@ -192,13 +197,14 @@ class MCTS:
         return hash(tuple((sh[v], lk[v]) for v in self._decided))
 
     def _node(self, key: frozenset, state: ShardingState, depth: int, acts: list[Action]) -> _Node:
-        untried = self._candidates(state) if depth < self.max_depth else []
+        cands = self._candidates(state, acts)
         if not self.prune:
-            untried = [a for a in untried if a not in key]  # an action set: the same action twice is one
+            cands = [a for a in cands if a not in key]  # an action set: the same action twice is one
+        untried = list(cands) if depth < self.max_depth else []
         self.rng.shuffle(untried)
         if self.widen is not None and len(untried) > self.widen_above:  # prior: largest decision first (popped last)
             untried.sort(key=lambda a: decided_bytes(state, a))
-        node = self.table[key] = _Node(key, state, untried, depth, acts, len(untried))
+        node = self.table[key] = _Node(key, state, untried, depth, acts, len(untried), cands)
         if self.prune:
             self.by_print[self._fingerprint(state)] = node
         self.stats.nodes += 1
@@ -213,16 +219,20 @@ class MCTS:
     def _wide_list(self, cands: list[Action]) -> bool:
         return self.widen is not None and len(cands) > self.widen_above
 
-    def _candidates(self, state: ShardingState) -> list[Action]:
-        return candidates(state, self.axes, self.kinds, prune=self.prune)
+    def _candidates(self, state: ShardingState, acts: list[Action]) -> list[Action]:
+        """The candidates of the plan `acts` (state `state`), each judged at its place (`Plans.candidates`)."""
+        return self.plans.candidates(state, acts, self.axes, self.kinds, prune=self.prune)
+
+    @property
+    def _applied(self) -> int:  # actions applied (and propagated): the refinement's budget unit
+        return self.plans.applied
 
     def _apply(self, state: ShardingState, action: Action) -> ShardingState | None:
-        t0 = time.perf_counter()
-        self._applied += 1
-        s = state.copy()
-        ok = apply_action(s, action)
-        self.stats.propagation_time_s += time.perf_counter() - t0
-        return s if ok else None
+        return self.plans._apply(state, action)
+
+    def _extend(self, state: ShardingState, acts: list[Action], action: Action
+                ) -> tuple[ShardingState, list[Action]] | None:
+        return self.plans.extend(state, acts, action)
 
     def _consider(self, key: tuple, state: ShardingState, actions: list[Action]) -> None:
         if key < self.best[0]:
@@ -247,62 +257,57 @@ class MCTS:
         return any(c is child for c in path) or any(c is child for _, c in node.children)
 
     def episode(self) -> None:
-        node, path, acts = self.root, [self.root], []
+        node, path = self.root, [self.root]
         while node.children and (not node.untried or self._wide(node)):  # select
             logn = math.log(node.n + 1)
             a, node = max(node.children, key=lambda ch: ch[1].q / max(ch[1].n, 1)
                           + self.c * math.sqrt(logn / max(ch[1].n, 1)))
             path.append(node)
-            acts.append(a)
         child = None
         while node.untried and child is None:  # expand
             a = node.untried.pop()
             key = node.key | {a}
             child = self.table.get(key)
             if child is None and not self.prune:  # ablation: illegal is a no-op child, no transposition
-                s = self._apply(node.state, a)
-                legal = s is not None
-                child = self._node(key, s if legal else node.state.copy(), node.depth + 1,
-                                   [*node.acts, a] if legal else list(node.acts))
+                got = self._extend(node.state, node.acts, a)
+                child = (self._node(key, node.state.copy(), node.depth + 1, list(node.acts)) if got is None
+                         else self._node(key, got[0], node.depth + 1, got[1]))
             elif child is None:
-                s = self._apply(node.state, a)
-                if s is None:
+                got = self._extend(node.state, node.acts, a)
+                if got is None:
                     continue
+                s, new = got
                 fp = self._fingerprint(s)
                 child = self.by_print.get(fp)
                 if child is None:
-                    child = self._node(key, s, node.depth + 1, [*acts, a])
+                    child = self._node(key, s, node.depth + 1, new)
                 elif not self._pruned(child, node, path):
                     self.table[key] = child
             if self._pruned(child, node, path):
                 child = None  # no new decision: pruned
                 continue
             node.children.append((a, child))
-            acts.append(a)
         if child is not None:
             path.append(child)
             node = child
-        if not self.prune:  # the path's actions may include illegal ones (no-ops): the node's own list
-            acts = list(node.acts)
+        acts = list(node.acts)  # the plan of the node, in canonical order (space.rank)
         k0, _ = self.ev.score(node.state, node.key)  # STOP here
         self._consider(k0, node.state, list(acts))
         r = self.ev.reward(k0, self.ref)
-        s, ro_acts, key = node.state, list(acts), set(node.key)
-        for _ in range(self.rollout_depth):  # roll out
+        s, ro_acts, picked, taken = node.state, list(acts), [], set()
+        for _ in range(self.rollout_depth):  # roll out: drawn from the node's candidates, one slot per axis once
             if self.rng.random() < self.p_stop:
                 break
-            cands = self._candidates(s)
-            if not cands:
+            pool = [c for c in node.cands if (c.target, c.axis) not in taken]
+            if not pool:
                 break
-            a = self._rollout_action(cands)
-            nxt = self._apply(s, a)
-            if nxt is None:
-                continue
-            s = nxt
-            ro_acts.append(a)
-            key.add(a)
-        if len(ro_acts) > len(acts):
-            k1, _ = self.ev.score(s, frozenset(key))
+            a = self._rollout_action(pool)
+            picked.append(a)
+            taken.add((a.target, a.axis))
+        got = self.plans.extend_many(s, ro_acts, picked) if picked else None  # each at its place, one replay
+        if got is not None and len(got[1]) > len(acts):
+            s, ro_acts = got
+            k1, _ = self.ev.score(s, frozenset(ro_acts))
             self._consider(k1, s, ro_acts)
             r = max(r, self.ev.reward(k1, self.ref))
         for n in path:  # back up
@@ -386,7 +391,7 @@ class MCTS:
         seen.add(fp)
         while not spent():
             step = None
-            wide = self._wide_list(self._candidates(state))
+            wide = self._wide_list(self._candidates(state, acts))
             for group, trial, s in self._neighbours(state, acts, spent):
                 if step is not None and group > step[3]:
                     break  # an append improves: the costlier moves are not needed
@@ -403,22 +408,22 @@ class MCTS:
 
     def _neighbours(self, state: ShardingState, acts: list[Action], spent):
         """Plans one move from `acts`, by groups, each tried only if no move of the groups before improves:
-        (0) one candidate action appended; (1) one action replaced by another on the same slot (another dim,
+        (0) one candidate action added at its place; (1) one action replaced by another on the same slot (another dim,
         ZeRO stage, or ZeRO instead of a tile); (2) one action inserted before an action that makes it illegal
         (a ZeRO move fences the parameters on its axis, a tile propagates its axis): first before the ZeRO
         moves, then before each other action, last to first, each position's actions in the order of the
         tree's scores of the shorter plan with that action; the first that improves is taken."""
         have = set(acts)
-        cands = self._candidates(state)
+        cands = self._candidates(state, acts)
         if self._wide_list(cands):  # too many to try all: the actions the episodes rewarded most first
             mast = self.mast
             cands.sort(key=lambda a: -mast[a][0] / mast[a][1] if a in mast else 0.0)
         for a in cands:
             if spent():
                 return
-            s = self._apply(state, a)
-            if s is not None:
-                yield 0, [*acts, a], s
+            got = self._extend(state, acts, a)
+            if got is not None:
+                yield 0, got[1], got[0]
         prefixes = [self.root.state]  # prefixes[i]: the plan of acts[:i]
         for a in acts[:-1]:
             nxt = self._apply(prefixes[-1], a)
@@ -426,21 +431,24 @@ class MCTS:
                 return
             prefixes.append(nxt)
         for i, a in enumerate(acts):  # another decision for the same slot (a dim, a ZeRO stage, tile or ZeRO)
-            for c in self._candidates(prefixes[i]):
+            for c in self._candidates(prefixes[i], acts[:i]):
                 if c.target != a.target or c == a or c in have:
                     continue
                 if spent():
                     return
-                trial = [*acts[:i], c, *acts[i + 1:]]
-                s = self._replay(trial[i:], prefixes[i])
+                rest = [*acts[:i], *acts[i + 1:]]
+                j = place(state.program, rest, c)
+                trial = [*rest[:j], c, *rest[j:]]  # at its place in the canonical order
+                k = min(i, j)
+                s = self._replay(trial[k:], prefixes[k])
                 if s is not None:
                     yield 1, trial, s
-        after = set(self._candidates(state))
+        after = set(self._candidates(state, acts))
         fences = [i for i, a in enumerate(acts) if isinstance(a, ShardOptimizer)]
         for i in fences + [i for i in reversed(range(len(acts))) if i not in fences]:
             # the tree's scores of `acts[:i] + [c]`, where it has them, order the trials (best first)
             cache, worst = self.ev.cache, (2, 0.0, 0.0)
-            cands = [c for c in self._candidates(prefixes[i]) if c not in after and c not in have]
+            cands = [c for c in self._candidates(prefixes[i], acts[:i]) if c not in after and c not in have]
             cands.sort(key=lambda c: cache.get(frozenset([*acts[:i], c]), worst))
             for c in cands:
                 if spent():
@@ -494,5 +502,6 @@ class MCTS:
         self.stats.time_s = time.perf_counter() - t0
         self.stats.evaluations = self.ev.evaluations - ev0
         self.stats.cost_time_s = self.ev.cost_time_s - ct0
+        self.stats.propagation_time_s = self.plans.time_s
         key, state, actions = self.best
         return Result(state, actions, key, self.stats)

@@ -13,10 +13,19 @@ parameter optimizer states (stage 1), and its parameters (stage 3) are tiled on 
 backward ops that read the parameter or write its gradient are fenced on the axis (their other tensors kept
 as they are), so the optimizer's sharding does not leak into the model: a stage-3 parameter is gathered
 where it is used and its gradient reduce-scattered, exactly as `tactics.ZeRO` does for all parameters.
+
+A plan is an action list in canonical order (`rank`, `Plans`): parameter tiles, then input tiles, then ZeRO
+moves and late parameter tiles (`TileLate`), each kind in the order chosen. Order is priority, so a search that
+appends would need to pick a layer's tile before the batch split for that layer to run model-parallel on the
+batch axis, and could not add it once the split is made: on the U-Net ({batch: 8}), whose good plans tile
+several low-resolution layers so, 5 seeds of 10 s ended 0.790-0.935 x the best expert that way and
+0.771-0.782 placed (`benchmarks/search.py`). A plan's candidates are judged where each would go
+(`Plans.candidates`), and adding one replays only the actions after its place.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from partir_torch.errors import IllegalActionError
@@ -87,6 +96,24 @@ class ShardOptimizer:
                 state.apply(Tile(p.values[v].name, dim, self.axis))
 
 
+@dataclass(frozen=True, order=True)
+class TileLate:
+    """A parameter group's tile applied after the inputs' tiles (with the ZeRO moves, `rank` 2). Where an
+    input's tile has already decided a layer's ops on the axis, the parameter is then only stored sharded:
+    gathered where it is used, while propagation carries the tiling on into its gradient's producers and its
+    optimizer update (unlike the stage-3 ZeRO move, which fences them); where it has not, it is `Tile`."""
+
+    target: str
+    dim: int
+    axis: str
+
+    def __str__(self) -> str:
+        return f"tile({self.target}, {self.dim}, {self.axis}, late)"
+
+    def apply(self, state: ShardingState) -> None:
+        state.apply(Tile(self.target, self.dim, self.axis))
+
+
 def _zero_all(state: ShardingState, axis: str, stage: int, first: bool = False) -> list[tuple[str, int]]:
     """What `ShardOptimizer("*", -1, axis, stage)` tiles: (parameter, its first dim that divides); `first`:
     stop at the first one (is the move legal?)."""
@@ -104,7 +131,7 @@ def _zero_all(state: ShardingState, axis: str, stage: int, first: bool = False) 
     return chosen
 
 
-Action = Tile | ShardOptimizer
+Action = Tile | TileLate | ShardOptimizer
 
 
 @dataclass(frozen=True)
@@ -178,16 +205,18 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
     for s in slots(p):
         if s.kind not in kinds:
             continue
+        st = ([v for n, v in p.opt_states[p.values[s.value].name].items() if n not in p.shared_states]
+              if s.kind == "optimizer" else [])
         for axis in axes:
+            have: set[int] = set()  # the ZeRO stages offered for this slot on this axis
             for d in range(len(p.values[s.value].shape)):
                 if s.kind == "optimizer":  # one dim per stage: which one is tiled barely changes the cost
-                    st = [v for n, v in p.opt_states[p.values[s.value].name].items() if n not in p.shared_states]
-                    have = {a.stage for a in out if isinstance(a, ShardOptimizer) and a.target == s.target
-                            and a.axis == axis}
                     if st and 1 not in have and _fits(state, st[0], d, axis):
                         out.append(ShardOptimizer(s.target, d, axis, 1))
+                        have.add(1)
                     if st and 3 not in have and _fits(state, st[0], d, axis) and _fits(state, s.value, d, axis):
                         out.append(ShardOptimizer(s.target, d, axis, 3))
+                        have.add(3)
                 elif _fits(state, s.value, d, axis):
                     out.append(Tile(s.target, d, axis))
     return out
@@ -240,13 +269,139 @@ def decided_bytes(state: ShardingState, action: Action) -> int:
 def apply_action(state: ShardingState, action: Action) -> bool:
     """Apply in place; False (state possibly half-changed: use a copy) when the action is illegal."""
     try:
-        if isinstance(action, ShardOptimizer):
+        if isinstance(action, ShardOptimizer | TileLate):
             action.apply(state)
         else:
             state.apply(action)
     except IllegalActionError:
         return False
     return True
+
+
+def rank(program: Program, action: Action) -> int:
+    """An action's place in a plan's canonical order: 0 a parameter's tile, 1 an input's tile, 2 a ZeRO move.
+
+    Order is priority (an earlier decision is never undone), and the three kinds differ in reach: a
+    parameter's tile decides one layer's parallelism, an input's tile sweeps through every activation not
+    yet decided, a ZeRO move fences every use of the parameters on its axis. Applied in this order, a layer
+    tiled on the batch axis is that layer's model parallelism, with the rest of the network batch-parallel
+    around it (the U-Net's mixed plans), whenever the search picks the layer; applied in the order picked,
+    a layer tiled after the batch split would only be stored sharded (the stage-3 ZeRO move says that)."""
+    if isinstance(action, ShardOptimizer | TileLate):
+        return 2
+    names = getattr(program, "_input_names", None)
+    if names is None:
+        names = program._input_names = frozenset(program.values[v].name for v in program.inputs)  # type: ignore[attr-defined]
+    return 1 if action.target in names else 0
+
+
+def place(program: Program, actions, action: Action) -> int:
+    """Where `action` goes in `actions` (a plan in canonical order): after every action of its rank or lower."""
+    r, i = rank(program, action), len(actions)
+    while i and rank(program, actions[i - 1]) > r:
+        i -= 1
+    return i
+
+
+class Plans:
+    """Plans as action lists in canonical order (`rank`), built from `root`: `extend` inserts an action at its
+    place and replays what follows from the state of the prefix (kept in a bounded cache; most extensions
+    append and need no replay). `applied` counts the actions applied (propagated), `time_s` their time."""
+
+    def __init__(self, root: ShardingState, size: int = 128) -> None:
+        self.root, self.size = root, size
+        self.cache: dict[tuple, ShardingState] = {}
+        self.applied, self.time_s = 0, 0.0
+
+    def _apply(self, state: ShardingState, action: Action) -> ShardingState | None:
+        t0 = time.perf_counter()
+        self.applied += 1
+        s = state.copy()
+        ok = apply_action(s, action)
+        self.time_s += time.perf_counter() - t0
+        return s if ok else None
+
+    def _prefix(self, actions: tuple) -> ShardingState | None:
+        if not actions:
+            return self.root
+        got = self.cache.get(actions)
+        if got is None:
+            base = self._prefix(actions[:-1])
+            got = None if base is None else self._apply(base, actions[-1])
+            if got is not None:
+                if len(self.cache) >= self.size:
+                    del self.cache[next(iter(self.cache))]  # the oldest
+                self.cache[actions] = got
+        return got
+
+    def extend(self, state: ShardingState, actions: list[Action], action: Action
+               ) -> tuple[ShardingState, list[Action]] | None:
+        """The plan of `actions` (whose state is `state`) with `action` at its place; None when illegal."""
+        i = place(state.program, actions, action)
+        if i == len(actions):
+            s = self._apply(state, action)
+            return None if s is None else (s, [*actions, action])
+        new = [*actions[:i], action, *actions[i:]]
+        s = self._prefix(tuple(new[:i + 1]))  # kept: the next insertion at this place starts from it
+        for a in new[i + 1:]:
+            if s is None:
+                return None
+            s = self._apply(s, a)
+        return None if s is None else (s, new)
+
+    def candidates(self, state: ShardingState, actions: list[Action], axes: tuple[str, ...], kinds: frozenset[str],
+                   *, prune: bool = True) -> list[Action]:
+        """`candidates` of the plan of `actions` (state `state`), each action judged where `extend` puts it: a
+        parameter's tile against the plan's parameter tiles alone, an input's before its ZeRO moves."""
+        if not prune:
+            return candidates(state, axes, kinds, prune=False)
+        p, n = state.program, len(actions)
+        out: list[Action] = []
+        at: dict[int, list[Action]] = {}
+        for r in (0, 1, 2):
+            i = n
+            while i and rank(p, actions[i - 1]) > r:
+                i -= 1
+            if i not in at:
+                s = state if i == n else self._prefix(tuple(actions[:i]))
+                at[i] = [] if s is None else candidates(s, axes, kinds)
+            out += [a for a in at[i] if rank(p, a) == r]
+        # a parameter's tile after an input's on the same axis differs from the placed one: offered as well
+        swept = {a.axis for a in actions if rank(p, a) == 1}
+        if swept:
+            out += [TileLate(a.target, a.dim, a.axis) for a in at[n] if isinstance(a, Tile) and rank(p, a) == 0
+                    and a.axis in swept]
+        return out
+
+    def extend_many(self, state: ShardingState, actions: list[Action], extra: list[Action]
+                    ) -> tuple[ShardingState, list[Action]] | None:
+        """The plan of `actions` with each of `extra` at its place, replayed once from the first place; an
+        action of `extra` that is illegal there is left out (None only if one of `actions` becomes illegal)."""
+        p = state.program
+        new, mine = list(actions), set(extra)
+        for a in extra:
+            new.insert(place(p, new, a), a)
+        first = next((i for i, a in enumerate(new) if i >= len(actions) or a != actions[i]), len(new))
+        s = state if first == len(actions) else self._prefix(tuple(new[:first]))
+        out = new[:first]
+        for a in new[first:]:
+            if s is None:
+                return None
+            nxt = self._apply(s, a)
+            if nxt is None and a in mine:
+                continue  # an extra action that is illegal here: left out
+            s = nxt
+            out.append(a)
+        return None if s is None else (s, out)
+
+    def replay(self, actions, start: ShardingState | None = None) -> ShardingState | None:
+        """`actions` applied in the order given, to `start` (default: the root)."""
+        s = self.root if start is None else start
+        for a in actions:
+            s = self._apply(s, a)
+            if s is None:
+                return None
+        return s
 
 
 def replay(root: ShardingState, actions) -> ShardingState | None:

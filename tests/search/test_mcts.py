@@ -127,11 +127,12 @@ def test_seeds_agree_under_an_episode_budget(mlp):
     assert max(times) <= min(times) * 1.02, times
 
 
-def test_refinement_inserts_before_a_zero_move_and_swaps_its_stage(mlp):
-    """The ZeRO move fences the parameters on its axis, so a tile of one of them is legal only before it: the
-    hill-climb's neighbours insert there, and replace an action by another on the same slot."""
+def test_refinement_places_and_inserts_before_a_zero_move_and_swaps_its_stage(mlp):
+    """The ZeRO move fences the parameters on its axis, so a tile of one of them is legal only before it: an
+    added parameter tile takes its place first (`space.rank`), a late one is inserted before the ZeRO move, and
+    an action is replaced by another on the same slot."""
     from partir_torch.ir.actions import Tile
-    from partir_torch.search.space import ShardOptimizer
+    from partir_torch.search.space import ShardOptimizer, TileLate
 
     root = ShardingState(mlp, Mesh.parse("batch=8"))
     m = MCTS(root, _ev(), ("batch",), ALL, seed=0)
@@ -139,8 +140,10 @@ def test_refinement_inserts_before_a_zero_move_and_swaps_its_stage(mlp):
     state = m._replay(acts)
     moves = [(g, t) for g, t, _ in m._neighbours(state, acts, lambda: False)]
     assert (1, [acts[0], ShardOptimizer("*", -1, "batch", 3)]) in moves
+    placed = [t[0] for g, t in moves if g == 0 and len(t) == 3 and t[1:] == acts]
+    assert placed and all(isinstance(a, Tile) and a.target != "inputs[0]" for a in placed)
     inserted = [t[1] for g, t in moves if g == 2 and len(t) == 3 and t[0] == acts[0] and t[2] == acts[1]]
-    assert any(isinstance(a, Tile) for a in inserted)
+    assert any(isinstance(a, TileLate) for a in inserted)
     assert all(a not in candidates(state, ("batch",), ALL) for a in inserted)  # illegal after the ZeRO move
     start, _ = _ev().score(state)
     m.refine(None, 400, starts=[acts])

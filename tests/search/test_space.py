@@ -10,7 +10,7 @@ import torch
 from partir_torch import capture, models
 from partir_torch.ir import Mesh, Tile
 from partir_torch.propagate import ShardingState
-from partir_torch.search.space import ShardOptimizer, apply_action, candidates, slots
+from partir_torch.search.space import Plans, ShardOptimizer, TileLate, apply_action, candidates, replay, slots
 from partir_torch.simulate import simulate
 from partir_torch.tactics import apply_schedule
 
@@ -90,6 +90,42 @@ def test_random_searched_plans_simulate_exactly():
                 state = nxt
         res = simulate(p, state, params, dict(model.named_buffers()), inputs, states)
         assert res.max_abs_diff <= 1e-5, (seed, [str(a) for a in state.actions])
+
+
+def test_plans_place_a_layer_tile_before_the_batch_split_and_simulate():
+    """Canonical order (`space.rank`): a parameter tile added to a plan that splits the batch takes effect
+    first (that layer model-parallel on the axis, the rest batch-parallel around it), even after a ZeRO move
+    that fences the parameters; the late tile is an action of its own with another plan; both compute what the
+    unsharded step computes."""
+    model, inputs, p = _llama()
+    mesh = Mesh.parse("batch=2,model=2")
+    params = {n: t.detach() for n, t in model.named_parameters()}
+    states = {n: {"exp_avg": torch.full(t.shape, 0.01), "exp_avg_sq": torch.full(t.shape, 0.02),
+                  "step": torch.tensor(3.0)} for n, t in model.named_parameters()}
+    root = ShardingState(p, mesh)
+    plans = Plans(root)
+    split, zero = Tile("inputs[0]", 0, "batch"), ShardOptimizer("*", -1, "batch", 1)
+    s1, a1 = plans.extend(root, [], split)
+    s2, a2 = plans.extend(s1, a1, zero)
+    layer = next(a for a in plans.candidates(s2, a2, ("batch",), ALL)
+                 if isinstance(a, Tile) and "*" in a.target and len(p.values[root.resolve(a.target)[0]].shape) == 2)
+    assert layer not in candidates(s2, ("batch",), ALL)  # fenced by the ZeRO move: legal only at its place
+    s3, a3 = plans.extend(s2, a2, layer)
+    assert a3 == [layer, split, zero]
+    assert s3.shard == replay(root, a3).shard
+    w = root.resolve(layer.target)[0]
+    assert "batch" in s3.shard[w].dims[layer.dim]
+    late = TileLate(layer.target, layer.dim, layer.axis)
+    assert late in plans.candidates(s1, a1, ("batch",), ALL) and late not in plans.candidates(root, [], ("batch",), ALL)
+    s4, a4 = plans.extend(s1, a1, late)
+    assert a4 == [split, late] and s4.shard != plans.extend(s1, a1, layer)[0].shard
+    for s in (s3, s4):
+        res = simulate(p, s, params, dict(model.named_buffers()), inputs, states)
+        assert res.max_abs_diff <= 1e-5, [str(a) for a in s.actions]
+    # several actions at once, one replay: one that is illegal at its place (the axis twice on a value) is left out
+    other = Tile(layer.target, 1 - layer.dim, "batch")
+    s5, a5 = plans.extend_many(s2, a2, [layer, other])
+    assert a5 == a3 and s5.shard == s3.shard
 
 
 def test_copy_is_independent():
