@@ -204,7 +204,7 @@ def main() -> None:
         gc.collect()
         gc.freeze()
         row = {"model": model_name, "overrides": over, "hardware": hw_name, "mesh": mesh_text, "dcn": list(dcn),
-               "capture_s": cap_s, "ops": len(program.ops), "fold": program.fold, "experts": {}, "search": {}}
+               "budget": args.budget, "capture_s": cap_s, "ops": len(program.ops), "fold": program.fold, "experts": {}, "search": {}}
 
         def rec(state, extra=None, hw=hw, dcn=dcn):
             r = evaluate(state, hw, dcn_axes=frozenset(dcn))

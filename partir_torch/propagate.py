@@ -193,12 +193,15 @@ class ShardingState:
         work: deque[int] = deque()
         queued: set[int] = set()
 
+        touch, peers = self.touch, self.peers
+
         def touched(v: int) -> None:
-            for o in self.touch[v]:
+            for o in touch[v]:
                 if o not in queued:
                     queued.add(o)
                     work.append(o)
-            self._to_peers(v, axis, touched)
+            if v in peers:
+                self._to_peers(v, axis, touched)
 
         for v in seeds:
             touched(v)
@@ -286,7 +289,9 @@ class ShardingState:
                     return []
             self.assign[o] = {**self.assign[o], f: (*self.assign[o].get(f, ()), axis)}  # copy on write (copy())
             self.dirty_ops.add(o)
-        changed: list[int] = [v for v, d in carriers.get(f, ()) if self._tile(v, d, axis)]
+        shard, locked = self.shard, self.locked  # the common case, already decided, without a call
+        changed: list[int] = [v for v, d in carriers.get(f, ())
+                              if axis not in shard[v]._axes and axis not in locked[v] and self._tile(v, d, axis)]
         for t, red in zip(rule.results, rule.reduced):
             if f in red and f not in t.dims:
                 v = t.value

@@ -144,7 +144,7 @@ def polish(state: ShardingState, axes: tuple[str, ...], goal: str, config: Searc
            starts: list[list]) -> Result:
     """The refinement of `MCTS` (prune, then hill-climb), from each of `starts` (action lists from `state`)."""
     ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, goal)
-    m = MCTS(state, ev, axes, KINDS[goal], seed=config.seed, prune=config.prune)
+    m = MCTS(state, ev, axes, KINDS[goal], seed=config.seed + 1, prune=config.prune)  # another tree than "joint"'s
     return m.run(budget, refine=1.0, starts=starts)
 
 

@@ -490,12 +490,13 @@ class MCTS:
                 if refine > 0:
                     self.refine(None if budget.seconds is None else t0 + budget.seconds,
                                 None if budget.episodes is None else max(8, int(budget.episodes * refine * 4)), starts)
-                if end is None or refine >= 1 or (not self.root.untried and not self.root.children):
+                if end is None or (not self.root.untried and not self.root.children):
                     break
                 left = t0 + budget.seconds - time.perf_counter()
                 if left < 0.05 * budget.seconds:
                     break
-                end = time.perf_counter() + left * (1 - refine)  # the refinement ended early: search on
+                # the refinement ended early: search on (a refinement-only run too: its tree starts then)
+                end = time.perf_counter() + left * (1 - refine if refine < 1 else 0.8)
         finally:
             if bar is not None:
                 bar.stop()

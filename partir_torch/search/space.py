@@ -308,7 +308,7 @@ class Plans:
     place and replays what follows from the state of the prefix (kept in a bounded cache; most extensions
     append and need no replay). `applied` counts the actions applied (propagated), `time_s` their time."""
 
-    def __init__(self, root: ShardingState, size: int = 128) -> None:
+    def __init__(self, root: ShardingState, size: int = 256) -> None:
         self.root, self.size = root, size
         self.cache: dict[tuple, ShardingState] = {}
         self.applied, self.time_s = 0, 0.0
@@ -329,10 +329,13 @@ class Plans:
             base = self._prefix(actions[:-1])
             got = None if base is None else self._apply(base, actions[-1])
             if got is not None:
-                if len(self.cache) >= self.size:
-                    del self.cache[next(iter(self.cache))]  # the oldest
-                self.cache[actions] = got
+                self._keep(actions, got)
         return got
+
+    def _keep(self, actions: tuple, state: ShardingState) -> None:
+        if len(self.cache) >= self.size:
+            del self.cache[next(iter(self.cache))]  # the oldest
+        self.cache[actions] = state
 
     def extend(self, state: ShardingState, actions: list[Action], action: Action
                ) -> tuple[ShardingState, list[Action]] | None:
@@ -342,11 +345,8 @@ class Plans:
             s = self._apply(state, action)
             return None if s is None else (s, [*actions, action])
         new = [*actions[:i], action, *actions[i:]]
-        s = self._prefix(tuple(new[:i + 1]))  # kept: the next insertion at this place starts from it
-        for a in new[i + 1:]:
-            if s is None:
-                return None
-            s = self._apply(s, a)
+        s = self._prefix(tuple(new[:-1]))  # the prefixes are kept: candidates are judged at them (`candidates`)
+        s = None if s is None else self._apply(s, new[-1])
         return None if s is None else (s, new)
 
     def candidates(self, state: ShardingState, actions: list[Action], axes: tuple[str, ...], kinds: frozenset[str],
@@ -384,7 +384,7 @@ class Plans:
         first = next((i for i, a in enumerate(new) if i >= len(actions) or a != actions[i]), len(new))
         s = state if first == len(actions) else self._prefix(tuple(new[:first]))
         out = new[:first]
-        for a in new[first:]:
+        for j, a in enumerate(new[first:], first):
             if s is None:
                 return None
             nxt = self._apply(s, a)
@@ -392,6 +392,8 @@ class Plans:
                 continue  # an extra action that is illegal here: left out
             s = nxt
             out.append(a)
+            if s is not None and j < len(new) - 1:
+                self._keep(tuple(out), s)
         return None if s is None else (s, out)
 
     def replay(self, actions, start: ShardingState | None = None) -> ShardingState | None:
