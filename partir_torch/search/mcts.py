@@ -258,11 +258,17 @@ class MCTS:
 
     def episode(self) -> None:
         node, path = self.root, [self.root]
+        on_path = {id(self.root)}
         while node.children and (not node.untried or self._wide(node)):  # select
+            # a transposition can close a cycle through another route than this path (adding a layer's tile
+            # before the batch split can decide less than before): a node is visited once per episode
+            options = [ch for ch in node.children if id(ch[1]) not in on_path]
+            if not options:
+                break
             logn = math.log(node.n + 1)
-            a, node = max(node.children, key=lambda ch: ch[1].q / max(ch[1].n, 1)
-                          + self.c * math.sqrt(logn / max(ch[1].n, 1)))
+            a, node = max(options, key=lambda ch: ch[1].q / max(ch[1].n, 1) + self.c * math.sqrt(logn / max(ch[1].n, 1)))
             path.append(node)
+            on_path.add(id(node))
         child = None
         while node.untried and child is None:  # expand
             a = node.untried.pop()

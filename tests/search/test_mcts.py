@@ -190,3 +190,18 @@ def test_wide_nodes_are_widened_progressively_largest_decision_first(mlp):
     narrow = MCTS(root, _ev(), ("batch", "model"), ALL, seed=1, widen=1.0, widen_above=n_cands)
     narrow.run(Budget(episodes=40), refine=0.0)
     assert len(narrow.root.children) > len(node.children)
+
+
+def test_selection_visits_a_node_once_per_episode_when_transpositions_close_a_cycle(mlp):
+    """Adding a layer's tile before the batch split can decide less than the plan before it, so a transposition
+    can link a node back to one that leads to it through another route; selection must still end (before the
+    guard, S3's incremental search looped there for good)."""
+    root = ShardingState(mlp, Mesh.parse("batch=8"))
+    m = MCTS(root, _ev(), ("batch",), ALL, seed=0)
+    m.run(Budget(episodes=6), refine=0)
+    a, x = m.root.children[0]
+    x.children, x.untried = [(a, m.root)], []  # a cycle: root -> x -> root
+    m.root.children, m.root.untried = [(a, x)], []
+    before = m.stats.episodes
+    m.episode()  # selects root -> x, then x's only child is on the path: it stops there and scores x
+    assert m.stats.episodes == before + 1 and x.n >= 2
