@@ -19,7 +19,7 @@ moves and late parameter tiles (`TileLate`), each kind in the order chosen. Orde
 appends would need to pick a layer's tile before the batch split for that layer to run model-parallel on the
 batch axis, and could not add it once the split is made: on the U-Net ({batch: 8}), whose good plans tile
 several low-resolution layers so, 5 seeds of 10 s ended 0.790-0.935 x the best expert that way and
-0.771-0.782 placed (`benchmarks/search.py`). A plan's candidates are judged where each would go
+0.773-0.786 placed (`benchmarks/search.py`, docs/search.md). A plan's candidates are judged where each would go
 (`Plans.candidates`), and adding one replays only the actions after its place.
 """
 
