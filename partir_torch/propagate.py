@@ -193,15 +193,12 @@ class ShardingState:
         work: deque[int] = deque()
         queued: set[int] = set()
 
-        touch, peers = self.touch, self.peers
-
         def touched(v: int) -> None:
-            for o in touch[v]:
+            for o in self.touch[v]:
                 if o not in queued:
                     queued.add(o)
                     work.append(o)
-            if v in peers:
-                self._to_peers(v, axis, touched)
+            self._to_peers(v, axis, touched)
 
         for v in seeds:
             touched(v)
@@ -289,9 +286,7 @@ class ShardingState:
                     return []
             self.assign[o] = {**self.assign[o], f: (*self.assign[o].get(f, ()), axis)}  # copy on write (copy())
             self.dirty_ops.add(o)
-        shard, locked = self.shard, self.locked  # the common case, already decided, without a call
-        changed: list[int] = [v for v, d in carriers.get(f, ())
-                              if axis not in shard[v]._axes and axis not in locked[v] and self._tile(v, d, axis)]
+        changed: list[int] = [v for v, d in carriers.get(f, ()) if self._tile(v, d, axis)]
         for t, red in zip(rule.results, rule.reduced):
             if f in red and f not in t.dims:
                 v = t.value
