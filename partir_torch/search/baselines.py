@@ -18,7 +18,7 @@ import time
 from partir_torch.propagate import ShardingState
 from partir_torch.search.goals import Evaluator
 from partir_torch.search.mcts import Budget, Result, Stats, simplify
-from partir_torch.search.space import Action, Plans, candidates, replay
+from partir_torch.search.space import Action, Plans, candidates
 
 
 class _Run:
@@ -49,9 +49,9 @@ class _Run:
             self.stats.best_at_episode = self.stats.episodes
         return k, s, new
 
-    def result(self, root: ShardingState, simplicity: float = 0.005) -> Result:
+    def result(self, simplicity: float = 0.005) -> Result:
         """The best plan, simplified by the rule of the MCTS refinement (`mcts.simplify`): the same objective."""
-        self.best = simplify(lambda acts: replay(root, acts), self.ev, self.best, self.best[0], simplicity)
+        self.best = simplify(self.plans.replay, self.ev, self.best, self.best[0], simplicity)
         self.stats.time_s = time.perf_counter() - self.t0
         self.stats.propagation_time_s = self.plans.time_s
         self.stats.evaluations = self.ev.evaluations - self.ev0
@@ -75,7 +75,7 @@ def random_search(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budge
                 _, s, acts = got
         if not candidates(root, axes, kinds):
             break
-    return run.result(root)
+    return run.result()
 
 
 def greedy(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, **_) -> Result:
@@ -92,7 +92,7 @@ def greedy(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, **_)
         if best is None or best[0] >= cur:
             break
         cur, s, acts = best
-    return run.result(root)
+    return run.result()
 
 
 def beam(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, *, width: int = 4, **_) -> Result:
@@ -115,7 +115,7 @@ def beam(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget, *, wid
         level = nxt[:width]
         if run.best[0] >= before and level and level[0][0] > before:
             break  # no state of this depth improved on the best: stop
-    return run.result(root)
+    return run.result()
 
 
 def exhaustive(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget | None = None, *,
@@ -135,7 +135,7 @@ def exhaustive(root: ShardingState, ev: Evaluator, axes, kinds, budget: Budget |
                 if got is not None:
                     nxt.append((got[1], got[2]))
         level = nxt
-    return run.result(root, 0.0)  # the optimum itself (only actions that change nothing are dropped)
+    return run.result(0.0)  # the optimum itself (only actions that change nothing are dropped)
 
 
 ALGORITHMS = {"random": random_search, "greedy": greedy, "beam": beam, "exhaustive": exhaustive}

@@ -223,16 +223,6 @@ class MCTS:
         """The candidates of the plan `acts` (state `state`), each judged at its place (`Plans.candidates`)."""
         return self.plans.candidates(state, acts, self.axes, self.kinds, prune=self.prune)
 
-    @property
-    def _applied(self) -> int:  # actions applied (and propagated): the refinement's budget unit
-        return self.plans.applied
-
-    def _apply(self, state: ShardingState, action: Action) -> ShardingState | None:
-        return self.plans._apply(state, action)
-
-    def _extend(self, state: ShardingState, acts: list[Action], action: Action
-                ) -> tuple[ShardingState, list[Action]] | None:
-        return self.plans.extend(state, acts, action)
 
     def _consider(self, key: tuple, state: ShardingState, actions: list[Action]) -> None:
         if key < self.best[0]:
@@ -275,11 +265,11 @@ class MCTS:
             key = node.key | {a}
             child = self.table.get(key)
             if child is None and not self.prune:  # ablation: illegal is a no-op child, no transposition
-                got = self._extend(node.state, node.acts, a)
+                got = self.plans.extend(node.state, node.acts, a)
                 child = (self._node(key, node.state.copy(), node.depth + 1, list(node.acts)) if got is None
                          else self._node(key, got[0], node.depth + 1, got[1]))
             elif child is None:
-                got = self._extend(node.state, node.acts, a)
+                got = self.plans.extend(node.state, node.acts, a)
                 if got is None:
                     continue
                 s, new = got
@@ -339,14 +329,6 @@ class MCTS:
                 return best
         return cands[self.rng.randrange(len(cands))]
 
-    def _replay(self, actions: list[Action], start: ShardingState | None = None) -> ShardingState | None:
-        s = self.root.state if start is None else start
-        for a in actions:
-            s = self._apply(s, a)
-            if s is None:
-                return None
-        return s
-
     def better(self, k: tuple, than: tuple) -> bool:
         """`k` beats `than` by more than `simplicity` (or fits where `than` does not, or uses less memory)."""
         return k[0] < than[0] or (k[0] == than[0] and (k[1] < than[1] if k[0] else k[2] < than[2] * (1 - self.simplicity)))
@@ -356,16 +338,16 @@ class MCTS:
         the best result, in the goal's order with the `simplicity` margin, becomes the answer.
 
         `starts`: action lists (from the root) to refine as well, e.g. the plans of other searches."""
-        applied0 = self._applied
+        applied0 = self.plans.applied  # the refinement's budget unit: actions applied (and propagated)
 
         def spent() -> bool:
             return ((deadline is not None and time.perf_counter() >= deadline)
-                    or (max_evals is not None and self._applied - applied0 >= max_evals))
+                    or (max_evals is not None and self.plans.applied - applied0 >= max_evals))
 
         pool = sorted(self.elite.values(), key=lambda e: e[0])
         plans: list[tuple[tuple, ShardingState, list[Action]]] = []
         for acts in starts or []:
-            s = self._replay(acts)
+            s = self.plans.replay(acts)
             if s is not None:
                 k, _ = self.ev.score(s, frozenset(acts))
                 self._consider(k, s, list(acts))
@@ -388,7 +370,7 @@ class MCTS:
 
     def _local_search(self, key: tuple, state: ShardingState, acts: list[Action], ref: tuple, spent,
                       seen: set[int]) -> tuple | None:
-        key, state, acts = simplify(self._replay, self.ev, (key, state, acts), ref, self.simplicity, spent,
+        key, state, acts = simplify(self.plans.replay, self.ev, (key, state, acts), ref, self.simplicity, spent,
                                     self._consider)
         # within `simplicity` of the best found, with fewer decisions; now hill-climb (unless done from here)
         fp = self._fingerprint(state)
@@ -397,8 +379,9 @@ class MCTS:
         seen.add(fp)
         while not spent():
             step = None
-            wide = self._wide_list(self._candidates(state, acts))
-            for group, trial, s in self._neighbours(state, acts, spent):
+            cands = self._candidates(state, acts)
+            wide = self._wide_list(cands)
+            for group, trial, s in self._neighbours(state, acts, cands, spent):
                 if step is not None and group > step[3]:
                     break  # an append improves: the costlier moves are not needed
                 k, _ = self.ev.score(s, frozenset(trial))
@@ -412,30 +395,27 @@ class MCTS:
             key, state, acts = step[:3]
         return key, state, acts
 
-    def _neighbours(self, state: ShardingState, acts: list[Action], spent):
+    def _neighbours(self, state: ShardingState, acts: list[Action], cands: list[Action], spent):
         """Plans one move from `acts`, by groups, each tried only if no move of the groups before improves:
         (0) one candidate action added at its place; (1) one action replaced by another on the same slot (another dim,
         ZeRO stage, or ZeRO instead of a tile); (2) one action inserted before an action that makes it illegal
         (a ZeRO move fences the parameters on its axis, a tile propagates its axis): first before the ZeRO
         moves, then before each other action, last to first, each position's actions in the order of the
-        tree's scores of the shorter plan with that action; the first that improves is taken."""
-        have = set(acts)
-        cands = self._candidates(state, acts)
+        tree's scores of the shorter plan with that action; the first that improves is taken.
+        `cands`: the candidates of `acts` (`_candidates`)."""
+        have, after = set(acts), set(cands)
         if self._wide_list(cands):  # too many to try all: the actions the episodes rewarded most first
             mast = self.mast
-            cands.sort(key=lambda a: -mast[a][0] / mast[a][1] if a in mast else 0.0)
+            cands = sorted(cands, key=lambda a: -mast[a][0] / mast[a][1] if a in mast else 0.0)
         for a in cands:
             if spent():
                 return
-            got = self._extend(state, acts, a)
+            got = self.plans.extend(state, acts, a)
             if got is not None:
                 yield 0, got[1], got[0]
-        prefixes = [self.root.state]  # prefixes[i]: the plan of acts[:i]
-        for a in acts[:-1]:
-            nxt = self._apply(prefixes[-1], a)
-            if nxt is None:
-                return
-            prefixes.append(nxt)
+        prefixes = [self.plans.prefix(tuple(acts[:i])) for i in range(len(acts))]  # the plan of acts[:i]
+        if any(s is None for s in prefixes):
+            return
         for i, a in enumerate(acts):  # another decision for the same slot (a dim, a ZeRO stage, tile or ZeRO)
             for c in self._candidates(prefixes[i], acts[:i]):
                 if c.target != a.target or c == a or c in have:
@@ -446,10 +426,9 @@ class MCTS:
                 j = place(state.program, rest, c)
                 trial = [*rest[:j], c, *rest[j:]]  # at its place in the canonical order
                 k = min(i, j)
-                s = self._replay(trial[k:], prefixes[k])
+                s = self.plans.replay(trial[k:], prefixes[k])
                 if s is not None:
                     yield 1, trial, s
-        after = set(self._candidates(state, acts))
         fences = [i for i, a in enumerate(acts) if isinstance(a, ShardOptimizer)]
         for i in fences + [i for i in reversed(range(len(acts))) if i not in fences]:
             # the tree's scores of `acts[:i] + [c]`, where it has them, order the trials (best first)
@@ -460,7 +439,7 @@ class MCTS:
                 if spent():
                     return
                 trial = [*acts[:i], c, *acts[i:]]
-                s = self._replay(trial[i:], prefixes[i])
+                s = self.plans.replay(trial[i:], prefixes[i])
                 if s is not None:
                     yield 2, trial, s
 

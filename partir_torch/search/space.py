@@ -297,9 +297,10 @@ def rank(program: Program, action: Action) -> int:
     return 1 if action.target in names else 0
 
 
-def place(program: Program, actions, action: Action) -> int:
-    """Where `action` goes in `actions` (a plan in canonical order): after every action of its rank or lower."""
-    r, i = rank(program, action), len(actions)
+def place(program: Program, actions, action: Action | int) -> int:
+    """Where `action` (or an action of that rank) goes in `actions`, a plan in canonical order: after every
+    action of its rank or lower."""
+    r, i = action if isinstance(action, int) else rank(program, action), len(actions)
     while i and rank(program, actions[i - 1]) > r:
         i -= 1
     return i
@@ -307,7 +308,7 @@ def place(program: Program, actions, action: Action) -> int:
 
 class Plans:
     """Plans as action lists in canonical order (`rank`), built from `root`: `extend` inserts an action at its
-    place and replays what follows from the state of the prefix (kept in a bounded cache; most extensions
+    place and replays what follows from the state of the prefix (`prefix`: a bounded cache; most extensions
     append and need no replay). `applied` counts the actions applied (propagated), `time_s` their time."""
 
     def __init__(self, root: ShardingState, size: int = 256) -> None:
@@ -315,7 +316,8 @@ class Plans:
         self.cache: dict[tuple, ShardingState] = {}
         self.applied, self.time_s = 0, 0.0
 
-    def _apply(self, state: ShardingState, action: Action) -> ShardingState | None:
+    def apply(self, state: ShardingState, action: Action) -> ShardingState | None:
+        """`action` applied to a copy of `state`; None when illegal."""
         t0 = time.perf_counter()
         self.applied += 1
         s = state.copy()
@@ -323,18 +325,21 @@ class Plans:
         self.time_s += time.perf_counter() - t0
         return s if ok else None
 
-    def _prefix(self, actions: tuple) -> ShardingState | None:
+    def prefix(self, actions: tuple) -> ShardingState | None:
+        """The state of `actions` applied in the order given (None: illegal), from the cache where it can."""
         if not actions:
             return self.root
         got = self.cache.get(actions)
         if got is None:
-            base = self._prefix(actions[:-1])
-            got = None if base is None else self._apply(base, actions[-1])
+            base = self.prefix(actions[:-1])
+            got = None if base is None else self.apply(base, actions[-1])
             if got is not None:
                 self._keep(actions, got)
         return got
 
     def _keep(self, actions: tuple, state: ShardingState) -> None:
+        if self.size <= 0:
+            return
         if len(self.cache) >= self.size:
             del self.cache[next(iter(self.cache))]  # the oldest
         self.cache[actions] = state
@@ -342,14 +347,8 @@ class Plans:
     def extend(self, state: ShardingState, actions: list[Action], action: Action
                ) -> tuple[ShardingState, list[Action]] | None:
         """The plan of `actions` (whose state is `state`) with `action` at its place; None when illegal."""
-        i = place(state.program, actions, action)
-        if i == len(actions):
-            s = self._apply(state, action)
-            return None if s is None else (s, [*actions, action])
-        new = [*actions[:i], action, *actions[i:]]
-        s = self._prefix(tuple(new[:-1]))  # the prefixes are kept: candidates are judged at them (`candidates`)
-        s = None if s is None else self._apply(s, new[-1])
-        return None if s is None else (s, new)
+        got = self.extend_many(state, actions, [action])
+        return None if got is None or len(got[1]) == len(actions) else got
 
     def candidates(self, state: ShardingState, actions: list[Action], axes: tuple[str, ...], kinds: frozenset[str],
                    *, prune: bool = True) -> list[Action]:
@@ -361,11 +360,9 @@ class Plans:
         out: list[Action] = []
         at: dict[int, list[Action]] = {}
         for r in (0, 1, 2):
-            i = n
-            while i and rank(p, actions[i - 1]) > r:
-                i -= 1
+            i = place(p, actions, r)
             if i not in at:
-                s = state if i == n else self._prefix(tuple(actions[:i]))
+                s = state if i == n else self.prefix(tuple(actions[:i]))
                 at[i] = [] if s is None else candidates(s, axes, kinds)
             out += [a for a in at[i] if rank(p, a) == r]
         # a parameter's tile after an input's on the same axis differs from the placed one: offered as well
@@ -384,12 +381,12 @@ class Plans:
         for a in extra:
             new.insert(place(p, new, a), a)
         first = next((i for i, a in enumerate(new) if i >= len(actions) or a != actions[i]), len(new))
-        s = state if first == len(actions) else self._prefix(tuple(new[:first]))
+        s = state if first == len(actions) else self.prefix(tuple(new[:first]))
         out = new[:first]
-        for j, a in enumerate(new[first:], first):
+        for j, a in enumerate(new[first:], first):  # the prefixes are kept: candidates are judged at them
             if s is None:
                 return None
-            nxt = self._apply(s, a)
+            nxt = self.apply(s, a)
             if nxt is None and a in mine:
                 continue  # an extra action that is illegal here: left out
             s = nxt
@@ -399,10 +396,10 @@ class Plans:
         return None if s is None else (s, out)
 
     def replay(self, actions, start: ShardingState | None = None) -> ShardingState | None:
-        """`actions` applied in the order given, to `start` (default: the root)."""
+        """`actions` applied in the order given, to `start` (default: the root); None when one is illegal."""
         s = self.root if start is None else start
         for a in actions:
-            s = self._apply(s, a)
+            s = self.apply(s, a)
             if s is None:
                 return None
         return s
@@ -410,9 +407,4 @@ class Plans:
 
 def replay(root: ShardingState, actions) -> ShardingState | None:
     """The plan of `actions` applied in order to a copy of `root`; None when one of them is illegal."""
-    s = root
-    for a in actions:
-        s = s.copy()
-        if not apply_action(s, a):
-            return None
-    return s
+    return Plans(root, size=0).replay(actions)

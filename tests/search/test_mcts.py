@@ -137,8 +137,8 @@ def test_refinement_places_and_inserts_before_a_zero_move_and_swaps_its_stage(ml
     root = ShardingState(mlp, Mesh.parse("batch=8"))
     m = MCTS(root, _ev(), ("batch",), ALL, seed=0)
     acts = [Tile("inputs[0]", 0, "batch"), ShardOptimizer("*", -1, "batch", 1)]
-    state = m._replay(acts)
-    moves = [(g, t) for g, t, _ in m._neighbours(state, acts, lambda: False)]
+    state = m.plans.replay(acts)
+    moves = [(g, t) for g, t, _ in m._neighbours(state, acts, m._candidates(state, acts), lambda: False)]
     assert (1, [acts[0], ShardOptimizer("*", -1, "batch", 3)]) in moves
     placed = [t[0] for g, t in moves if g == 0 and len(t) == 3 and t[1:] == acts]
     assert placed and all(isinstance(a, Tile) and a.target != "inputs[0]" for a in placed)
