@@ -205,3 +205,24 @@ def test_selection_visits_a_node_once_per_episode_when_transpositions_close_a_cy
     before = m.stats.episodes
     m.episode()  # selects root -> x, then x's only child is on the path: it stops there and scores x
     assert m.stats.episodes == before + 1 and x.n >= 2
+
+
+def test_parameter_tiles_that_propagate_alike_are_two_plans_and_the_refinement_walks_between_them(mlp):
+    """A Megatron pair: fc1's weight tiled on its output dim, or fc2's on its input dim, propagates to the same
+    shardings. For the cost model that is one plan, not for what may follow (an action added later is placed
+    after the parameter tiles): the tree merges them (one transposition), the refinement tells them apart and
+    its plateau walk (`_twins`) goes from one to the other."""
+    from partir_torch.ir.actions import Tile
+
+    root = ShardingState(mlp, Mesh.parse("model=8"))
+    m = MCTS(root, _ev(), ("model",), ALL, seed=0)
+    a, b = [Tile("layers.*.fc1.weight", 0, "model")], [Tile("layers.*.fc2.weight", 1, "model")]
+    sa, sb = m.plans.replay(a), m.plans.replay(b)
+    assert all(sa.shard[v] == sb.shard[v] and sa.locked[v] == sb.locked[v] for v in m._decided)
+    assert m._fingerprint(sa) == m._fingerprint(sb)
+    assert m._plan_print(sa, a) != m._plan_print(sb, b)
+    assert m._plan_print(sa, a) == m._plan_print(m.plans.replay(a), list(a))
+    key, _ = m.ev.score(sa, frozenset(a))
+    twins = {tuple(t): k for k, _, t in m._twins(key, sa, a, lambda: False)}
+    assert tuple(b) in twins and all(k <= key for k in twins.values())
+    assert not any(t[0].target == a[0].target for t in twins)  # another slot's tile, not another dim of the same
