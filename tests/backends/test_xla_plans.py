@@ -110,3 +110,31 @@ def test_expert_parallel_moe_through_torch_xla():
     assert sum(report.comm_bytes["all-reduce"].values()) == pytest.approx(by_kind["all-reduce"], rel=0.02)
     assert by_kind["all-gather"] * 10 < sum(report.comm_bytes["all-gather"].values())
     assert any(c.kind == "all-reduce" and c.axes == ("expert",) for c in xla.collectives)
+
+
+def test_gns_plan_with_a_zero3_move_before_the_tiles_through_torch_xla():
+    """S5's plan kind on tiny-gns, in the order the refinement's insertion builds it: a layer's ZeRO-3 move
+    first (its fence keeps the edge MLP out of the decoder tile's propagation), a parameter tile, then the
+    edge and node arrays tiled over both axes (gather/scatter by index arrays). torch_xla gives the unsharded
+    loss and updates."""
+    from partir_torch.backends.xla import reference_step, run_step
+    from partir_torch.ir.actions import Tile
+    from partir_torch.propagate import ShardingState
+    from partir_torch.search.space import ShardOptimizer, replay
+
+    mesh = Mesh.parse("batch=2,model=4")
+    net, inputs, loss_fn = models.build("tiny-gns", device="meta")
+    program = capture(net, inputs, loss_fn, "adamw")
+    acts = [ShardOptimizer("processor.*.edge_mlp.0.weight", 0, "batch", 3), Tile("decoder.*.weight", 1, "batch"),
+            Tile("inputs[3]", 0, "model"), Tile("inputs[4]", 0, "model"), Tile("inputs[1]", 0, "batch")]
+    state = replay(ShardingState(program, mesh), acts)
+    assert state is not None
+    sp = specs(state)
+    assert sp.params["processor.0.edge_mlp.0.weight"] == ["batch", None]
+    assert sp.params["decoder.0.weight"] == [None, "batch"]
+    xla = run_step("tiny-gns", mesh, sp.params, sp.inputs, sp.optimizer_state, sp.activations, sp.grads,
+                   return_params=True, optimizer="adamw")
+    loss, params = reference_step("tiny-gns", optimizer="adamw")
+    assert xla.loss == pytest.approx(loss, abs=1e-5)
+    for n, ref in params.items():
+        torch.testing.assert_close(torch.tensor(xla.params_after[n]), torch.tensor(ref), atol=1e-5, rtol=1e-5)
