@@ -391,10 +391,10 @@ class MCTS:
         if fp in seen:
             return None
         seen.add(fp)
-        best, todo = None, [(key, state, acts)]
+        best, todo = (key, state, acts), [(key, state, acts)]
         while todo and not spent():  # each local optimum, then its twins (a plateau walk, `_twins`)
             got = self._climb(*todo.pop(0), spent)
-            if best is None or self.better(got[0], best[0]):
+            if self.better(got[0], best[0]):
                 best = got
             for k, s, trial in self._twins(*got, spent):
                 fp = self._plan_print(s, trial)
