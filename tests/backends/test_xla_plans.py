@@ -16,6 +16,20 @@ from partir_torch.tactics import apply_schedule
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
 
 
+def _matches_unsharded(model: str, mesh: Mesh, sp, optimizer: str):
+    """One training step of `model` under the plan's specs (parameters, inputs, optimizer states, activations,
+    gradients) through torch_xla: asserts the unsharded loss and updated parameters, returns the step."""
+    from partir_torch.backends.xla import reference_step, run_step
+
+    xla = run_step(model, mesh, sp.params, sp.inputs, sp.optimizer_state, sp.activations, sp.grads,
+                   return_params=True, optimizer=optimizer)
+    loss, params = reference_step(model, optimizer=optimizer)
+    assert xla.loss == pytest.approx(loss, abs=1e-5)
+    for n, ref in params.items():
+        torch.testing.assert_close(torch.tensor(xla.params_after[n]), torch.tensor(ref), atol=1e-5, rtol=1e-5)
+    return xla
+
+
 @pytest.mark.parametrize(
     ("model", "schedule", "optimizer"),
     [("tiny-llama", "batch:BatchParallel;model:Megatron;batch:ZeRO(1)", "adamw"), ("tiny-mlp", "batch:FSDP", "adamw"),
@@ -45,7 +59,6 @@ def test_searched_plan_through_torch_xla():
     """A plan the search finds under a tight memory limit (ZeRO-3-like on both axes, Megatron-like pieces)
     runs through torch_xla with the unsharded loss and updates, and XLA's all-gathers and memory are those
     the cost model predicted (docs/cost-model.md lists where XLA CPU differs)."""
-    from partir_torch.backends.xla import reference_step, run_step
     from partir_torch.cost import evaluate, hardware
     from partir_torch.search.api import SearchConfig
     from partir_torch.search.mcts import Budget
@@ -62,12 +75,7 @@ def test_searched_plan_through_torch_xla():
     sp = specs(state)
     used = {ax for s in sp.params.values() for e in s if e for ax in ([e] if isinstance(e, str) else e)}
     assert used == {"batch", "model"}
-    xla = run_step("tiny-gpt2", mesh, sp.params, sp.inputs, sp.optimizer_state, sp.activations, sp.grads,
-                   return_params=True, optimizer="sgd")
-    loss, params = reference_step("tiny-gpt2", optimizer="sgd")
-    assert xla.loss == pytest.approx(loss, abs=1e-5)
-    for n, ref in params.items():
-        torch.testing.assert_close(torch.tensor(xla.params_after[n]), torch.tensor(ref), atol=1e-5, rtol=1e-5)
+    xla = _matches_unsharded("tiny-gpt2", mesh, sp, "sgd")
     gathered = sum(c.bytes for c in xla.collectives if c.kind == "all-gather")
     predicted = sum(report.comm_bytes["all-gather"].values())
     # XLA gathers a ZeRO-3 weight twice, for the forward's W^T and the backward's W (docs/cost-model.md,
@@ -88,7 +96,6 @@ def test_expert_parallel_moe_through_torch_xla():
     unsharded loss and updates, and the same all-reduce bytes (within 2 %). XLA keeps the einsum's merged
     (capacity, expert) contraction dim in a strided layout and all-reduces its partial sums over `expert`;
     the model gathers the dispatch/combine tensors instead (docs/cost-model.md, item 7), pinned here."""
-    from partir_torch.backends.xla import reference_step, run_step
     from partir_torch.cost import evaluate, hardware
     from partir_torch.tactics import BatchParallel, Manual
 
@@ -100,12 +107,7 @@ def test_expert_parallel_moe_through_torch_xla():
     report = evaluate(state, hardware("cpu-virtual"))
     sp = specs(state)
     assert sp.params["h.1.moe.w_in"] == ["expert", None, None]
-    xla = run_step("tiny-moe", mesh, sp.params, sp.inputs, sp.optimizer_state, sp.activations, sp.grads,
-                   return_params=True, optimizer="sgd")
-    loss, params = reference_step("tiny-moe", optimizer="sgd")
-    assert xla.loss == pytest.approx(loss, abs=1e-5)
-    for n, ref in params.items():
-        torch.testing.assert_close(torch.tensor(xla.params_after[n]), torch.tensor(ref), atol=1e-5, rtol=1e-5)
+    xla = _matches_unsharded("tiny-moe", mesh, sp, "sgd")
     by_kind = {k: sum(c.bytes for c in xla.collectives if c.kind == k) for k in ("all-reduce", "all-gather")}
     assert sum(report.comm_bytes["all-reduce"].values()) == pytest.approx(by_kind["all-reduce"], rel=0.02)
     assert by_kind["all-gather"] * 10 < sum(report.comm_bytes["all-gather"].values())
@@ -117,7 +119,6 @@ def test_gns_plan_with_a_zero3_move_before_the_tiles_through_torch_xla():
     first (its fence keeps the edge MLP out of the decoder tile's propagation), a parameter tile, then the
     edge and node arrays tiled over both axes (gather/scatter by index arrays). torch_xla gives the unsharded
     loss and updates."""
-    from partir_torch.backends.xla import reference_step, run_step
     from partir_torch.ir.actions import Tile
     from partir_torch.propagate import ShardingState
     from partir_torch.search.space import ShardOptimizer, replay
@@ -132,9 +133,4 @@ def test_gns_plan_with_a_zero3_move_before_the_tiles_through_torch_xla():
     sp = specs(state)
     assert sp.params["processor.0.edge_mlp.0.weight"] == ["batch", None]
     assert sp.params["decoder.0.weight"] == [None, "batch"]
-    xla = run_step("tiny-gns", mesh, sp.params, sp.inputs, sp.optimizer_state, sp.activations, sp.grads,
-                   return_params=True, optimizer="adamw")
-    loss, params = reference_step("tiny-gns", optimizer="adamw")
-    assert xla.loss == pytest.approx(loss, abs=1e-5)
-    for n, ref in params.items():
-        torch.testing.assert_close(torch.tensor(xla.params_after[n]), torch.tensor(ref), atol=1e-5, rtol=1e-5)
+    _matches_unsharded("tiny-gns", mesh, sp, "adamw")
