@@ -189,17 +189,9 @@ def _parse_bytes(text: str) -> float:
 
 def parse_mesh(text: str):
     """`batch=4:dcn,model=8`: an axis marked `:dcn` crosses slices / nodes (DCN, InfiniBand)."""
-    from partir_torch.ir import Mesh
+    from partir_torch.ir.mesh import parse_mesh as parse
 
-    dcn, parts = set(), []
-    for part in text.split(","):
-        name, _, flag = part.partition(":")
-        if flag:
-            if flag.strip().lower() not in ("dcn", "ib"):
-                raise PartirError(f"mesh axis flag {flag!r} in {part!r}; the only flag is :dcn (slow, cross-node axis)")
-            dcn.add(name.split("=")[0].strip())
-        parts.append(name)
-    return Mesh.parse(",".join(parts)), frozenset(dcn)
+    return parse(text)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

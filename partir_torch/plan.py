@@ -9,11 +9,15 @@ to minor). `ShardingPlan.to_json()` keeps at least `mesh.axes`, `params`, `input
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from partir_torch.capture.fold import full_names
+from partir_torch.errors import PartirError
 from partir_torch.propagate import ShardingState
 
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
@@ -63,13 +67,39 @@ def module_outputs(program) -> dict[str, int]:
     return {p: v for p, v in out.items() if calls.get(p, 1) <= 1}
 
 
-def specs(state: ShardingState) -> PlanSpecs:
-    """Specs of the full model: for a folded program, element 1's specs stand for elements 1..N-1."""
-    p = state.program
+def _expander(p):
+    """Names of the full model: for a folded program, element 1's entries stand for elements 1..N-1."""
     fold = p.fold
 
     def expand(d: dict[str, Any]) -> dict[str, Any]:
         return {full: spec for n, spec in d.items() for full in full_names(n, fold)} if fold else d
+
+    return expand
+
+
+def _names(names: list[str], top: int = 8) -> str:
+    return ", ".join(names[:top]) + (f" … ({len(names) - top} more)" if len(names) > top else "")
+
+
+def _divisibility(what: str, shape: tuple[int, ...], spec: Spec, mesh: dict[str, int]) -> list[str]:
+    out = []
+    for d, entry in enumerate(spec[: len(shape)]):
+        axes = [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
+        unknown = [a for a in axes if a not in mesh]
+        if unknown:
+            out.append(f"{what} dim {d} is tiled over {unknown}, which the mesh {mesh} does not have")
+            continue
+        k = math.prod(mesh[a] for a in axes)
+        if shape[d] % k:
+            out.append(f"{what} dim {d} (size {shape[d]}) does not divide over {axes} ({k} devices)")
+    return out
+
+
+def specs(state: ShardingState) -> PlanSpecs:
+    """Specs of the full model: for a folded program, element 1's specs stand for elements 1..N-1."""
+    p = state.program
+    fold = p.fold
+    expand = _expander(p)
 
     return PlanSpecs(
         expand({n: state.shard[v].to_spec() for n, v in p.params.items()}),
@@ -82,8 +112,19 @@ def specs(state: ShardingState) -> PlanSpecs:
     )
 
 
+FORMAT = 1  # the version of the saved plan's JSON; `load` refuses other versions
+
+
+class PlanMismatchError(PartirError):
+    """A saved plan does not fit the model (or mesh) it is applied to; the message lists every mismatch."""
+
+
 @dataclass
 class ShardingPlan:
+    """Everything needed to apply a plan (parameter, buffer, input, optimizer-state, activation and gradient
+    specs), what it was made for (mesh with its DCN axes, hardware, schedule, the shapes and the content
+    hash of the captured program) and what the cost model predicts for it."""
+
     mesh: dict[str, int]
     params: dict[str, Spec]
     inputs: list[Spec]
@@ -94,18 +135,39 @@ class ShardingPlan:
     dcn_axes: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
     search: dict[str, Any] | None = None
+    buffers: dict[str, Spec] = field(default_factory=dict)
+    activations: dict[str, Spec] = field(default_factory=dict)  # module path -> spec of its output
+    grads: dict[str, Spec] = field(default_factory=dict)
+    shapes: dict[str, Any] = field(default_factory=dict)  # {"params": {n: shape}, "buffers": ..., "inputs": [...]}
+    input_args: list[int | str | None] = field(default_factory=list)  # forward argument of each input
+    optimizer: str | None = None
+    program_hash: str | None = None
 
     @classmethod
     def from_state(cls, state: ShardingState, cost, *, schedule: str | None = None, hardware: str | None = None,
                    dcn_axes=(), search: dict[str, Any] | None = None) -> ShardingPlan:
-        sp = specs(state)
+        sp, p = specs(state), state.program
+        expand = _expander(p)
+        shapes = {"params": expand({n: list(p.values[v].shape) for n, v in p.params.items()}),
+                  "buffers": expand({n: list(p.values[v].shape) for n, v in p.buffers.items()}),
+                  "inputs": [list(p.values[v].shape) for v in p.inputs]}
         return cls(dict(state.mesh.axes), sp.params, sp.inputs, sp.optimizer_state, cost.to_json(), schedule,
-                   hardware, sorted(dcn_axes), [c.describe(state.program) for c in state.conflicts], search)
+                   hardware, sorted(dcn_axes), [c.describe(p) for c in state.conflicts], search,
+                   buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}),
+                   activations=sp.activations, grads=sp.grads, shapes=shapes, input_args=list(p.input_args),
+                   optimizer=p.optimizer, program_hash=p.content_hash())
+
+    @property
+    def specs(self) -> PlanSpecs:
+        """What a backend applies."""
+        return PlanSpecs(self.params, self.inputs, self.optimizer_state, self.activations, self.grads)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"mesh": {"axes": self.mesh, "dcn": self.dcn_axes}, "schedule": self.schedule, "hardware": self.hardware,
-               "params": self.params, "inputs": self.inputs, "optimizer_state": self.optimizer_state,
-               "cost": self.cost, "conflicts": self.conflicts}
+        out = {"format": FORMAT, "mesh": {"axes": self.mesh, "dcn": self.dcn_axes}, "schedule": self.schedule,
+               "hardware": self.hardware, "optimizer": self.optimizer, "program_hash": self.program_hash,
+               "params": self.params, "buffers": self.buffers, "inputs": self.inputs, "input_args": self.input_args,
+               "optimizer_state": self.optimizer_state, "activations": self.activations, "grads": self.grads,
+               "shapes": self.shapes, "cost": self.cost, "conflicts": self.conflicts}
         if self.search is not None:
             out["search"] = self.search
         return out
@@ -113,9 +175,77 @@ class ShardingPlan:
     @classmethod
     def from_json(cls, d: dict[str, Any] | str) -> ShardingPlan:
         d = json.loads(d) if isinstance(d, str) else d
+        if d.get("format", FORMAT) != FORMAT:
+            raise PlanMismatchError(f"plan format {d.get('format')!r} is not this version's ({FORMAT}); "
+                                    "search the plan again with this version of partir_torch")
         return cls(dict(d["mesh"]["axes"]), d["params"], d["inputs"], d["optimizer_state"], d["cost"],
                    d.get("schedule"), d.get("hardware"), list(d["mesh"].get("dcn", [])), d.get("conflicts", []),
-                   d.get("search"))
+                   d.get("search"), d.get("buffers", {}), d.get("activations", {}), d.get("grads", {}),
+                   d.get("shapes", {}), d.get("input_args", []), d.get("optimizer"), d.get("program_hash"))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """The plan as JSON (`ShardingPlan.load` reads it back)."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ShardingPlan:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise PartirError(f"cannot read a plan from {str(path)!r}: {e.strerror}; write one with plan.save(path) "
+                              "or `partir-torch plan ... --out PATH`") from e
+        try:
+            return cls.from_json(text)
+        except (ValueError, KeyError, TypeError) as e:
+            raise PartirError(f"{str(path)!r} is not a saved ShardingPlan ({e!r}); write one with plan.save(path) "
+                              "or `partir-torch plan ... --out PATH`") from e
+
+    def check(self, model, example_inputs=None, mesh: dict[str, int] | None = None) -> None:
+        """Raise `PlanMismatchError` listing every way the plan does not fit `model` (and `example_inputs`,
+        and `mesh` when given): missing and extra names, shape mismatches, an axis that no longer divides."""
+        problems: list[str] = []
+        if mesh is not None and dict(mesh) != dict(self.mesh):
+            problems.append(f"the plan is for mesh {self.mesh}, not {dict(mesh)}: search again for this mesh "
+                            "or apply the plan on its own mesh")
+        tensors = {"parameter": (dict(model.named_parameters()), self.params, self.shapes.get("params", {})),
+                   "buffer": (dict(model.named_buffers()), self.buffers, self.shapes.get("buffers", {}))}
+        for kind, (have, planned, shapes) in tensors.items():
+            missing = [n for n in planned if n not in have]
+            extra = [n for n in have if n not in planned and (kind == "parameter" or n in shapes)]
+            if missing:
+                problems.append(f"{kind}s in the plan but not in the model: {_names(missing)}")
+            if extra:
+                problems.append(f"{kind}s in the model but not in the plan: {_names(extra)}")
+            for n, t in have.items():
+                want = shapes.get(n)
+                if want is not None and list(t.shape) != list(want):
+                    problems.append(f"{kind} {n} has shape {list(t.shape)}, the plan was made for {want}")
+                elif n in planned:
+                    problems += _divisibility(f"{kind} {n}", tuple(t.shape), planned[n], self.mesh)
+        if example_inputs is not None:
+            xs = (example_inputs,) if hasattr(example_inputs, "shape") else tuple(example_inputs)
+            if len(xs) != len(self.inputs):
+                problems.append(f"{len(xs)} example inputs given, the plan has {len(self.inputs)}")
+            for i, (x, want) in enumerate(zip(xs, self.shapes.get("inputs", [None] * len(xs)))):
+                if want is not None and list(x.shape) != list(want):
+                    problems.append(f"input {i} has shape {list(x.shape)}, the plan was made for {want}")
+                elif i < len(self.inputs):
+                    problems += _divisibility(f"input {i}", tuple(x.shape), self.inputs[i], self.mesh)
+        if problems:
+            raise PlanMismatchError("the plan does not fit this model:\n  - " + "\n  - ".join(problems))
+
+    def input_sharding(self, i: int):
+        """torch_xla's sharding of input `i` (for `MpDeviceLoader(..., input_sharding=...)`)."""
+        from partir_torch.backends import xla
+
+        return xla.input_sharding(self, i)
+
+    def verify(self, model, example_inputs, **kwargs):
+        """Compile the step as `auto_shard` applies this plan and compare XLA's collectives and memory with
+        the prediction (`partir_torch.backends.verify.verify`)."""
+        from partir_torch.backends.verify import verify
+
+        return verify(self, model, example_inputs, **kwargs)
 
     def table(self, top: int = 20) -> str:
         """Sharded parameters, one line each, then the cost: readable in a terminal."""

@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from partir_torch.backends.xla import run_step
+from partir_torch.backends.xla_worker import run_step
 from partir_torch.cost import evaluate, hardware
 from partir_torch.ir.mesh import Mesh
 from partir_torch.plan import specs

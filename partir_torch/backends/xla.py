@@ -1,104 +1,116 @@
-"""Run one training step through torch_xla SPMD on a (virtual CPU) device mesh, and read what XLA compiled.
+"""Apply a `ShardingPlan` with torch_xla SPMD, in the caller's process: the one apply path of the project.
 
-This is the only module that imports torch_xla, and it does so in a worker subprocess: XLA reads
-`XLA_FLAGS` (the HLO dump) and `CPU_NUM_DEVICES` once, when its runtime starts, so each compile gets a fresh
-process with its own dump directory.
+`auto_shard`, `verify` (through `xla_worker`, a fresh process with the HLO dump on) and the calibration all
+call `shard_module` / `shard_optimizer` / `shard_batch` here, so the program XLA compiles is the plan that
+was searched, applied one way.
 
-    run_step("tiny-gpt2", mesh, {"h.0.attn.c_attn.weight": ["model", None], ...}, input_specs=[["batch", None], ...])
+What `shard_module` does to the user's model, all of it undone by `unshard(model)`:
+1. every parameter and buffer is replaced by a copy on the XLA device (tied weights stay one tensor; a
+   model built on meta is materialized there with `torch.empty` and each module's `reset_parameters`, so no
+   full host copy is made) and `xs.mark_sharding`ed with the plan's spec; `state_dict()` keeps its keys;
+2. each module whose output the plan shards gets a forward hook that applies `mark_sharding_with_gradients`
+   with that spec, and each parameter a tensor hook that constrains its gradient: without them GSPMD
+   resolves conflicts its own way and runs another program than the one costed (docs/cost-model.md);
+3. a forward pre-hook on the root shards the batch tensors that reach `forward` (moving host tensors to
+   the device), and checks their shapes against the plan's;
+4. while the root's forward runs, a `TorchFunctionMode` runs `F.layer_norm` as reductions over the
+   normalized dims and `F.scaled_dot_product_attention` as einsums over [B, H, T, d]: torch_xla lowers the
+   first to batch-norm over a [1, B*T, D] reshape and the second to matmuls over a [B*H, T, d] reshape, and
+   GSPMD loses the batch / head sharding in both (the same math, so the same numerics).
+The caller's original tensors are kept (not modified) for `unshard`, which copies the trained values back
+into them. The optimizer is rebuilt on the moved parameters (`shard_optimizer`): same class, param groups
+and hyperparameters, with `foreach=False` and `capturable=True` (implementation options: one graph per
+step, the same arithmetic), its states created up front and sharded as the plan says.
 
-The parameters, inputs and optimizer states get `xs.mark_sharding` with the given partition specs (torch_xla's
-form: one entry per dim, None / axis / tuple of axes); the optimizer states are created up front (zeros,
-step 0) so that they can be sharded, and the optimizer runs with `capturable=True` so the whole step is one
-graph. The largest partitioned module of the dump is the step.
-
-How the step is set up, and why:
-- activation constraints: every module whose output is one value of the plan gets a forward hook that
-  applies `xs.mark_sharding_with_gradients` with that value's spec (`plan.PlanSpecs.activations`), so GSPMD
-  partitions activations and their gradients as the plan does; without them it shards by its own
-  heuristics, and uses mesh axes the plan leaves idle (docs/cost-model.md has both measurements); each
-  parameter's gradient gets its spec (`PlanSpecs.grads`) in a tensor hook, so it is reduced as planned;
-- gradients are dropped (`zero_grad(set_to_none=True)`) before the step is compiled: a kept `.grad` is an
-  output of the step, and torch_xla also materialises the pre-view base of each one (twice the gradient
-  bytes as live-out buffers);
-- tied parameters stay tied: `Module.to(xla)` makes a new Parameter per module;
-- `nn.LayerNorm` runs as reductions over its normalized dims (`plain_layer_norm`): torch_xla lowers
-  `native_layer_norm` to batch-norm-training over a [1, B*T, D] reshape and GSPMD all-gathers the batch
-  around it, forward and backward;
-- `F.scaled_dot_product_attention` runs as einsums over [B, H, T, d]: torch_xla's matmuls over a
-  [B*H, T, d] reshape lose the head sharding.
+torch_xla is imported only here (and in `xla_worker`); a missing install is an error that says how to get
+the pinned pair.
 """
 
 from __future__ import annotations
 
-import json
+import glob
+import logging
+import math
 import os
-import subprocess
 import sys
-import tempfile
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from partir_torch.backends.hlo import (
-    HloCollective,
-    find_step_module,
-    read_collectives,
-    read_memory_breakdown,
-    read_memory_total,
-)
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
+from partir_torch.plan import ShardingPlan
+
+log = logging.getLogger(__name__)
+
+INSTALL = "pip install 'torch==2.9.0' 'torch-xla==2.9.0' (the pair must match; ./dev setup installs it)"
 
 
 class XlaError(PartirError):
-    """The torch_xla worker failed."""
+    """torch_xla is missing, its runtime does not fit the mesh, or a plan cannot be applied with it."""
 
 
-@dataclass
-class XlaStep:
-    loss: float
-    collectives: list[HloCollective]
-    memory_total: int | None
-    hlo_path: str
-    compile_s: float
-    params_after: dict[str, list] | None = None
-    memory_breakdown: dict[str, int] | None = None
+def _xla():
+    try:
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+    except ImportError as e:
+        raise XlaError(f"torch_xla is not installed ({e}); install the pinned pair: {INSTALL}") from e
+    return torch_xla, xs, xr
 
 
-def run_step(
-    model: str,
-    mesh: Mesh,
-    param_specs: dict[str, list],
-    input_specs: list[list | None] | None = None,
-    state_specs: dict[str, dict[str, list]] | None = None,
-    activation_specs: dict[str, list] | None = None,
-    grad_specs: dict[str, list] | None = None,
-    *,
-    overrides: dict[str, str] | None = None,
-    optimizer: str = "adamw",
-    seed: int = 0,
-    dump_dir: str | None = None,
-    timeout: float = 900,
-    return_params: bool = False,
-    plain_layer_norm: bool = True,
-) -> XlaStep:
-    dump_dir = tempfile.mkdtemp(prefix="partir-xla-", dir=dump_dir)  # fresh: the largest module is the step
-    job = {"model": model, "overrides": overrides or {}, "mesh": list(mesh.axes), "params": param_specs,
-           "inputs": input_specs, "states": state_specs or {},
-           "activations": activation_specs or {}, "grads": grad_specs or {}, "optimizer": optimizer, "seed": seed,
-           "dump": dump_dir, "return_params": return_params,
-           "plain_layer_norm": plain_layer_norm}
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(mesh.devices),
-           "XLA_FLAGS": f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$",
-           "TF_CPP_MIN_LOG_LEVEL": "2"}
-    res = subprocess.run([sys.executable, "-m", "partir_torch.backends.xla", json.dumps(job)], env=env,
-                         capture_output=True, text=True, timeout=timeout)
-    if res.returncode != 0:
-        raise XlaError(f"torch_xla worker failed for {model} on {mesh}:\n{res.stderr[-3000:]}")
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    hlo, mem = find_step_module(dump_dir)
-    return XlaStep(out["loss"], read_collectives(hlo.read_text(), list(mesh.axes)),
-                   read_memory_total(mem.read_text()) if mem else None, str(hlo), out["compile_s"],
-                   out.get("params_after"), read_memory_breakdown(mem.read_text()) if mem else None)
+def _has_tpu() -> bool:
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def start_runtime(devices: int) -> str | None:
+    """Make torch_xla's SPMD runtime ready for a mesh of `devices` devices; returns the one line to tell the
+    user when it had to choose the CPU device itself.
+
+    The runtime reads `PJRT_DEVICE` and `CPU_NUM_DEVICES` once, when it starts: with neither set and no
+    accelerator, the CPU runtime is given `devices` virtual devices; once started, the device count must
+    be the mesh's."""
+    note = None
+    if "torch_xla" not in sys.modules and "PJRT_DEVICE" not in os.environ and not _has_tpu():
+        os.environ["PJRT_DEVICE"] = "CPU"
+    torch_xla, _, xr = _xla()
+    started = torch_xla._XLAC._xla_runtime_is_initialized()
+    if not started and xr.device_type() == "CPU" and "CPU_NUM_DEVICES" not in os.environ:
+        os.environ["CPU_NUM_DEVICES"] = str(devices)
+        note = (f"partir_torch: no accelerator; using torch_xla's CPU runtime with {devices} virtual devices "
+                f"(PJRT_DEVICE=CPU CPU_NUM_DEVICES={devices})")
+    xr.use_spmd()
+    have = xr.global_runtime_device_count()
+    if have != devices:
+        how = (f"set PJRT_DEVICE=CPU CPU_NUM_DEVICES={devices} in the environment before torch_xla starts "
+               "(before the first XLA tensor of the process)" if xr.device_type() == "CPU" else
+               f"use a mesh whose sizes multiply to {have}")
+        raise XlaError(f"the mesh needs {devices} devices, but torch_xla's runtime has {have} "
+                       f"({xr.device_type()}{', already started' if started else ''}): {how}")
+    return note
+
+
+def device_mesh(mesh: Mesh, dcn_axes: Sequence[str] = ()):
+    """torch_xla's mesh for the abstract one: device ids from the runtime, row-major (the layout
+    `backends.hlo` reads replica groups with); a `HybridMesh` when axes cross slices (DCN) and the runtime
+    has slices. On a single slice (the CPU mesh) DCN axes only matter to the cost model."""
+    _, xs, xr = _xla()
+    names, shape = mesh.names, tuple(s for _, s in mesh.axes)
+    attrs = xr.global_runtime_device_attributes()
+    if dcn_axes and attrs and "slice_index" in attrs[0]:
+        dcn = tuple(s if n in dcn_axes else 1 for n, s in mesh.axes)
+        ici = tuple(s // d for s, d in zip(shape, dcn))
+        return xs.HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, axis_names=names)
+    import numpy as np
+
+    return xs.Mesh(np.arange(mesh.devices), shape, names)
 
 
 def _spec(entry: list | None, n: int) -> tuple:
@@ -107,93 +119,172 @@ def _spec(entry: list | None, n: int) -> tuple:
     return tuple(tuple(e) if isinstance(e, list) else e for e in entry)
 
 
-def _to_keeping_ties(model, dev):
-    """`model.to(dev)`, with tied parameters still tied: moving to an XLA device makes a new Parameter per
-    module (no `set_data` across device types), so a tied LM head would become a second weight."""
-    owners: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(name)
-    model = model.to(dev)
-    for names in owners.values():
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            mod, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(mod), attr, first)
-    return model
+def sharding_of(t: torch.Tensor) -> str:
+    """torch_xla's sharding annotation of a device tensor ('' when replicated / none): what tests check."""
+    torch_xla, _, _ = _xla()
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
-def _plain_layer_norms(model) -> None:
-    """torch_xla lowers `native_layer_norm` to batch-norm-training over a [1, B*T, D] reshape, and GSPMD then
-    all-gathers the batch around it (forward and backward). The same function written as reductions over the
-    normalized dims stays sharded like the rest of the step."""
-    import torch
-    from torch import nn
-
-    def forward(self, x):
-        dims = tuple(range(-len(self.normalized_shape), 0))
-        mu = x.mean(dims, keepdim=True)
-        xc = x - mu
-        y = xc * torch.rsqrt((xc * xc).mean(dims, keepdim=True) + self.eps)
-        if self.weight is not None:
-            y = y * self.weight
-        if self.bias is not None:
-            y = y + self.bias
-        return y
-
-    for m in model.modules():
-        if type(m) is nn.LayerNorm:
-            m.forward = forward.__get__(m)
+# -- lowerings that keep shardings ---------------------------------------------------------------------------
+def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    dims = tuple(range(-len(normalized_shape), 0))
+    mu = x.mean(dims, keepdim=True)
+    xc = x - mu
+    y = xc * torch.rsqrt((xc * xc).mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
 
 
-def _einsum_attention() -> None:
-    """torch_xla runs `F.scaled_dot_product_attention` as matmuls over a [B*H, T, d] reshape, and GSPMD loses
-    the head sharding there (Megatron's attention then runs every head on every device). The same math as
-    einsums over [B, H, T, d] keeps batch and heads as batch dims of the dot."""
-    import math
-
-    import torch
-    import torch.nn.functional as F
-
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if dropout_p or enable_gqa:
-            raise NotImplementedError("einsum attention: dropout and enable_gqa are not supported")
-        scores = torch.einsum("...qd,...kd->...qk", q, k) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
-        if is_causal:
-            rows = torch.arange(q.shape[-2], device=q.device).unsqueeze(1)
-            cols = torch.arange(k.shape[-2], device=q.device).unsqueeze(0)
-            scores = scores.masked_fill(cols > rows, float("-inf"))
-        if attn_mask is not None:
-            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-        return torch.einsum("...qk,...kd->...qd", torch.softmax(scores, dim=-1), v)
-
-    F.scaled_dot_product_attention = sdpa
+def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = torch.einsum("...qd,...kd->...qk", q, k) * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
+    if is_causal:
+        rows = torch.arange(q.shape[-2], device=q.device).unsqueeze(1)
+        cols = torch.arange(k.shape[-2], device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(cols > rows, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
+    return torch.einsum("...qk,...kd->...qd", probs, v)
 
 
-def _worker(job: dict[str, Any]) -> dict[str, Any]:
-    import time
+class Lowerings(TorchFunctionMode):
+    """Active while the sharded model's forward runs (module docstring, item 4)."""
 
-    import numpy as np
-    import torch
-    import torch_xla
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
+    def __init__(self, layer_norm: bool = True, attention: bool = True) -> None:
+        super().__init__()
+        self.table: dict[Callable, Callable] = {}
+        if layer_norm:
+            self.table[F.layer_norm] = _layer_norm
+        if attention:
+            self.table[F.scaled_dot_product_attention] = _attention
+        self.depth = 0
 
-    from partir_torch import workload
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.table.get(func, func)(*args, **(kwargs or {}))
 
-    xr.use_spmd()
-    torch.manual_seed(job["seed"])
-    model, inputs, loss_fn = workload.load(job["model"], job["overrides"], device="cpu")
-    names = [a for a, _ in job["mesh"]]
-    shape = tuple(s for _, s in job["mesh"])
-    mesh = xs.Mesh(np.arange(int(np.prod(shape))), shape, tuple(names))
+    def enter(self, *_: Any) -> None:
+        if self.table and self.depth == 0:
+            self.__enter__()
+        self.depth += 1
+
+    def leave(self, *_: Any) -> None:
+        self.depth -= 1
+        if self.table and self.depth == 0:
+            self.__exit__(None, None, None)
+
+
+# -- applying a plan to a module ------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Sharded:
+    """What `shard_module` did to one model: enough to undo it, to shard its batches and to verify it."""
+
+    plan: ShardingPlan
+    mesh: Any  # torch_xla's Mesh
+    originals: list[tuple[nn.Module, str, torch.Tensor]]  # (owner, attribute, the caller's tensor)
+    names: dict[int, str]  # id of the caller's parameter -> its name (for the optimizer)
+    handles: list[Any] = field(default_factory=list)
+    lowerings: Lowerings | None = None
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    optimizer: torch.optim.Optimizer | None = None  # the caller's, as it was given (a template for verify)
+    warned_shapes: set[tuple] = field(default_factory=set)
+
+
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, Sharded] = weakref.WeakKeyDictionary()
+
+
+def sharded(model: nn.Module) -> Sharded | None:
+    """The record of `shard_module` on `model`, or None when it is not sharded."""
+    return _SHARDED.get(model)
+
+
+def _slots(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
+    """Every (module, attribute) that holds a parameter or buffer, ties included."""
+    out = []
+    for mod in model.modules():
+        out += [(mod, n, p, True) for n, p in mod.named_parameters(recurse=False, remove_duplicate=False)]
+        out += [(mod, n, b, False) for n, b in mod.named_buffers(recurse=False, remove_duplicate=False) if b is not None]
+    return out
+
+
+def shard_module(model: nn.Module, plan: ShardingPlan, mesh=None, *, lowerings: Lowerings | None = None,
+                 loss_fn=None) -> Sharded:
+    """Move `model` to the XLA device with the plan's shardings, constraints and batch hook (module docstring).
+    On any failure the model is left as it was."""
+    torch_xla, xs, _ = _xla()
+    if model in _SHARDED:
+        raise XlaError(f"{type(model).__name__} is already sharded by partir_torch (plan for mesh "
+                       f"{_SHARDED[model].plan.mesh}); call partir_torch.unshard(model) first to shard it again")
+    if mesh is None:
+        mesh = device_mesh(Mesh.of(plan.mesh), plan.dcn_axes)
+    slots = _slots(model)
+    on_meta = sorted({id(t) for _, _, t, _ in slots if t.is_meta})
+    if on_meta and len(on_meta) != len({id(t) for _, _, t, _ in slots}):
+        meta_names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        raise XlaError(f"some parameters or buffers are on the meta device and others are not ({', '.join(meta_names[:5])}"
+                       f"{' …' if len(meta_names) > 5 else ''}): build the model wholly on meta, or wholly with weights")
+    names = {id(p): n for n, p in model.named_parameters()}
+    bnames = {id(b): n for n, b in model.named_buffers()}
+    record = Sharded(plan, mesh, [(m, a, t) for m, a, t, _ in slots], names, lowerings=lowerings or Lowerings(),
+                     loss_fn=loss_fn)
     dev = torch_xla.device()
-    model = _to_keeping_ties(model, dev)
-    if job.get("plain_layer_norm", True):
-        _plain_layer_norms(model)
-    _einsum_attention()
-    params = dict(model.named_parameters())
-    for n, p in params.items():
-        xs.mark_sharding(p, mesh, _spec(job["params"].get(n), p.dim()))
+    try:
+        moved: dict[int, torch.Tensor] = {}
+        for mod, attr, t, is_param in slots:
+            new = moved.get(id(t))
+            if new is None:
+                data = torch.empty_like(t, device=dev) if t.is_meta else t.detach().to(dev)
+                new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
+                moved[id(t)] = new
+            setattr(mod, attr, new)
+        if on_meta:
+            _initialize(model, [bnames[i] for i in on_meta if i in bnames])
+        for i, t in moved.items():
+            name = names.get(i) or bnames.get(i)
+            spec = plan.params.get(name) if i in names else plan.buffers.get(name)
+            if spec is not None and any(e is not None for e in spec):
+                xs.mark_sharding(t, mesh, _spec(spec, t.dim()))
+        _install_hooks(model, record)
+        torch_xla.sync()  # materialize (and, from meta, initialize) the sharded parameters now
+    except BaseException:
+        _restore(model, record)
+        raise
+    _SHARDED[model] = record
+    model.partir_plan = plan
+    return record
+
+
+def _initialize(model: nn.Module, meta_buffers: list[str]) -> None:
+    """Parameters of a model built on meta, as `Module.to_empty` users initialize them."""
+    covered: set[int] = set()
+    for mod in model.modules():
+        reset = getattr(mod, "reset_parameters", None)
+        if callable(reset):
+            with torch.no_grad():
+                reset()
+            covered.update(id(p) for p in mod.parameters(recurse=False))
+    left = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if left:
+        with torch.no_grad():
+            for n in left:
+                model.get_parameter(n).zero_()
+        log.warning("built on meta, %d parameters have no module reset_parameters() and start at zero: %s",
+                    len(left), ", ".join(left[:6]) + (" …" if len(left) > 6 else ""))
+    if meta_buffers:
+        log.warning("built on meta, buffers %s have no values (buffers are not reset); compute them after "
+                    "auto_shard or build the model with weights", ", ".join(meta_buffers[:6]))
+
+
+def _install_hooks(model: nn.Module, rec: Sharded) -> None:
+    _, xs, _ = _xla()
+    plan, mesh = rec.plan, rec.mesh
 
     def constrain_to(spec: tuple):
         def hook(mod, args, out):
@@ -203,8 +294,13 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
 
         return hook
 
-    for path, spec in job["activations"].items():  # module outputs and their gradients follow the plan
-        model.get_submodule(path).register_forward_hook(constrain_to(_spec(spec, len(spec))))
+    for path, spec in plan.activations.items():  # module outputs and their gradients as the plan has them
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError as e:
+            raise XlaError(f"the plan constrains the output of module {path!r}, which this model does not have; "
+                           "the plan was made for another model (search again)") from e
+        rec.handles.append(mod.register_forward_hook(constrain_to(_spec(spec, len(spec)))))
 
     def grad_to(spec: tuple):
         def hook(g):
@@ -212,68 +308,169 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
 
         return hook
 
-    for n, spec in job.get("grads", {}).items():  # parameter gradients as the plan reduces them
-        if n in params and spec is not None:
-            params[n].register_hook(grad_to(_spec(spec, params[n].dim())))
-    xin = []
-    for i, x in enumerate(inputs):
-        x = x.to(dev)
-        spec = (job["inputs"] or [None] * len(inputs))[i]
-        xs.mark_sharding(x, mesh, _spec(spec, x.dim()))
-        xin.append(x)
-    kind = job["optimizer"]
-    if kind == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, foreach=False)
-        init = {"momentum_buffer": lambda p: torch.zeros_like(p)}
-    else:
-        cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
-        opt = cls(model.parameters(), lr=1e-3, foreach=False, capturable=True)
-        init = {"step": lambda p: torch.zeros((), device=dev), "exp_avg": torch.zeros_like, "exp_avg_sq": torch.zeros_like}
-    for n, p in params.items():
-        st = {}
-        for s, make in init.items():
-            t = make(p)
-            if t.dim():
-                xs.mark_sharding(t, mesh, _spec(job["states"].get(n, {}).get(s, job["params"].get(n)), t.dim()))
-            st[s] = t
-        opt.state[p] = st
+    params = dict(model.named_parameters())
+    for n, spec in plan.grads.items():  # parameter gradients reduced as planned
+        p = params.get(n)
+        if p is not None and p.requires_grad and spec is not None and any(e is not None for e in spec):
+            rec.handles.append(p.register_hook(grad_to(_spec(spec, p.dim()))))
+    rec.handles.append(model.register_forward_pre_hook(_batch_hook(rec), with_kwargs=True))
+    if rec.lowerings is not None and rec.lowerings.table:
+        rec.handles.append(model.register_forward_pre_hook(rec.lowerings.enter))
+        rec.handles.append(model.register_forward_hook(rec.lowerings.leave, always_call=True))
+
+
+def _batch_hook(rec: Sharded):
+    slots = {k: i for i, k in enumerate(rec.plan.input_args) if k is not None}
+
+    def hook(mod, args, kwargs):
+        args = list(args)
+        for k, i in slots.items():
+            if isinstance(k, int) and k < len(args) and isinstance(args[k], torch.Tensor):
+                args[k] = shard_input(rec, i, args[k])
+            elif isinstance(k, str) and isinstance(kwargs.get(k), torch.Tensor):
+                kwargs[k] = shard_input(rec, i, kwargs[k])
+        return tuple(args), kwargs
+
+    return hook
+
+
+def shard_input(rec: Sharded, i: int, x: torch.Tensor) -> torch.Tensor:
+    """Input `i` of the step on the device with the plan's sharding. A batch of another shape than the
+    example's (the last, smaller batch of an epoch) is sharded the same way when its dims still divide,
+    with one warning (XLA compiles a second program for it); otherwise it is an error."""
+    torch_xla, xs, _ = _xla()
+    plan = rec.plan
+    spec = plan.inputs[i] if i < len(plan.inputs) else None
+    want = plan.shapes.get("inputs", [None] * (i + 1))[i] if plan.shapes.get("inputs") else None
+    if want is not None and list(x.shape) != list(want):
+        from partir_torch.plan import _divisibility
+
+        bad = _divisibility(f"input {i}", tuple(x.shape), spec or [], plan.mesh)
+        if bad or x.dim() != len(want):
+            raise XlaError(f"input {i} has shape {list(x.shape)}, the plan was made for {want}: " + "; ".join(bad)
+                           + ". Drop the last partial batch (DataLoader(drop_last=True)) or pad it to the planned shape")
+        if (i, tuple(x.shape)) not in rec.warned_shapes:
+            rec.warned_shapes.add((i, tuple(x.shape)))
+            log.warning("input %d has shape %s, the plan was made for %s: sharded as planned; XLA compiles "
+                        "another program for this shape", i, list(x.shape), want)
+    if x.device.type != "xla":
+        x = x.to(torch_xla.device())
+    if spec is not None and any(e is not None for e in spec):
+        xs.mark_sharding(x, rec.mesh, _spec(spec, x.dim()))
+    return x
+
+
+def shard_batch(model: nn.Module, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The step's inputs (all of them, targets included) on the device with the plan's shardings."""
+    rec = _require(model)
+    return tuple(shard_input(rec, i, x) for i, x in enumerate(batch))
+
+
+def input_sharding(plan: ShardingPlan, i: int, mesh=None):
+    """torch_xla's `ShardingSpec` of input `i`, for `MpDeviceLoader(loader, dev, input_sharding=...)`."""
+    _, xs, _ = _xla()
+    if not 0 <= i < len(plan.inputs):
+        raise XlaError(f"the plan has {len(plan.inputs)} inputs; there is no input {i}")
+    mesh = mesh or device_mesh(Mesh.of(plan.mesh), plan.dcn_axes)
+    spec = plan.inputs[i]
+    n = len(spec) if spec is not None else len(plan.shapes.get("inputs", [[]])[i])
+    return xs.ShardingSpec(mesh, _spec(spec, n))
+
+
+def _require(model: nn.Module) -> Sharded:
+    rec = _SHARDED.get(model)
+    if rec is None:
+        raise XlaError(f"{type(model).__name__} is not sharded by partir_torch; call partir_torch.auto_shard first")
+    return rec
+
+
+def _restore(model: nn.Module, rec: Sharded) -> None:
+    for h in rec.handles:
+        h.remove()
+    rec.handles.clear()
+    for mod, attr, t in rec.originals:
+        setattr(mod, attr, t)
+
+
+def unshard(model: nn.Module) -> nn.Module:
+    """Undo `shard_module`: hooks removed, the caller's own parameter and buffer objects put back, holding the
+    trained values (on their original device; a model built on meta gets CPU tensors)."""
+    rec = _require(model)
+    current = {(id(mod), attr): getattr(mod, attr) for mod, attr, _ in rec.originals}
+    copied: dict[int, torch.Tensor] = {}
+    for mod, attr, orig in rec.originals:
+        now = current[(id(mod), attr)]
+        if id(orig) not in copied:
+            with torch.no_grad():
+                if orig.is_meta:
+                    data = now.detach().cpu()
+                    copied[id(orig)] = nn.Parameter(data, orig.requires_grad) if isinstance(orig, nn.Parameter) else data
+                else:
+                    orig.copy_(now.detach().to(orig.device))
+                    copied[id(orig)] = orig
+    _restore(model, rec)
+    for mod, attr, orig in rec.originals:
+        setattr(mod, attr, copied[id(orig)])
+    del _SHARDED[model]
+    model.__dict__.pop("partir_plan", None)
+    return model
+
+
+# -- the optimizer ---------------------------------------------------------------------------------------------
+def _states(opt: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor, dev) -> dict[str, torch.Tensor]:
+    """The states torch.optim creates at the first step, created now (so they can be sharded first); the
+    same values torch would start from (SGD's buffer is the first gradient: zero momentum gives it too)."""
+    if isinstance(opt, torch.optim.SGD):
+        return {"momentum_buffer": torch.zeros_like(p)} if group.get("momentum", 0) else {}
+    st = {"step": torch.zeros((), dtype=torch.float32, device=dev), "exp_avg": torch.zeros_like(p),
+          "exp_avg_sq": torch.zeros_like(p)}
+    if group.get("amsgrad"):
+        st["max_exp_avg_sq"] = torch.zeros_like(p)
+    return st
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, torch.Tensor],
+                      **options: Any) -> torch.optim.Optimizer:
+    """A new optimizer of `optimizer`'s class, param groups and hyperparameters on `params` (by name; `names`
+    maps the old parameters' ids to names), with `options` set where the class has them."""
+    groups = []
+    for g in optimizer.param_groups:
+        unknown = [p for p in g["params"] if id(p) not in names]
+        if unknown:
+            raise XlaError(f"the optimizer holds {len(unknown)} tensors that are not parameters of the model "
+                           f"(shapes {[list(p.shape) for p in unknown[:3]]}); build it on model.parameters()")
+        ng = {k: (options.get(k, v) if k in options else v) for k, v in g.items() if k != "params"}
+        ng["params"] = [params[names[id(p)]] for p in g["params"]]
+        groups.append(ng)
+    import inspect
+
+    accepted = inspect.signature(type(optimizer).__init__).parameters  # (defaults may hold more keys)
+    defaults = {k: options.get(k, v) for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **defaults)
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+    """`optimizer` (built on the caller's parameters of `model`) rebuilt on the sharded ones: same class, param
+    groups and hyperparameters; its states (moved, or created as torch would) sharded as the plan says. The
+    caller's optimizer is not modified."""
+    torch_xla, xs, _ = _xla()
+    rec = _require(model)
+    plan, dev = rec.plan, torch_xla.device()
+    if isinstance(optimizer, torch.optim.SGD) and any(g.get("dampening", 0) for g in optimizer.param_groups):
+        raise XlaError("SGD with dampening != 0 starts its momentum buffer from the first gradient undamped, which a "
+                       "buffer created up front (to shard it) cannot reproduce; use dampening=0")
+    new = rebuild_optimizer(optimizer, rec.names, dict(model.named_parameters()), foreach=False, capturable=True)
+    for og, ng in zip(optimizer.param_groups, new.param_groups):
+        for old_p, p in zip(og["params"], ng["params"]):
+            name = rec.names[id(old_p)]
+            had = optimizer.state.get(old_p)
+            st = ({k: (v.detach().to(dev) if isinstance(v, torch.Tensor) else v) for k, v in had.items()} if had
+                  else _states(new, ng, p, dev))
+            for s, t in st.items():
+                spec = plan.optimizer_state.get(name, {}).get(s, plan.params.get(name))
+                if isinstance(t, torch.Tensor) and t.dim() and spec is not None and any(e is not None for e in spec):
+                    xs.mark_sharding(t, rec.mesh, _spec(spec, t.dim()))
+            new.state[p] = st
+    rec.optimizer = optimizer
     torch_xla.sync()
-    t0 = time.perf_counter()
-    loss = loss_fn(model, *xin)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)  # gradients are temporaries of the step, not outputs (see above)
-    torch_xla.sync()
-    value = float(loss.detach().cpu())
-    out = {"loss": value, "compile_s": time.perf_counter() - t0}
-    if job.get("return_params"):
-        out["params_after"] = {n: p.detach().cpu().flatten()[:64].tolist() for n, p in params.items()}
-    return out
-
-
-if __name__ == "__main__":
-    print(json.dumps(_worker(json.loads(sys.argv[1]))))
-
-
-def reference_step(model: str, *, overrides: dict[str, str] | None = None, optimizer: str = "adamw", seed: int = 0
-                   ) -> tuple[float, dict[str, list]]:
-    """The same first step as the worker, unsharded on the CPU in eager torch: (loss, first 64 values of
-    every updated parameter)."""
-    import torch
-
-    from partir_torch import workload
-
-    torch.manual_seed(seed)
-    net, inputs, loss_fn = workload.load(model, overrides, device="cpu")
-    if optimizer == "sgd":
-        opt = torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9, foreach=False)
-    else:
-        cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
-        opt = cls(net.parameters(), lr=1e-3, foreach=False)
-    loss = loss_fn(net, *inputs)
-    loss.backward()
-    if optimizer == "sgd":  # the worker starts from a zero momentum buffer, torch from the first gradient
-        for p in net.parameters():
-            opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    opt.step()
-    return float(loss.detach()), {n: p.detach().flatten()[:64].tolist() for n, p in net.named_parameters()}
+    return new

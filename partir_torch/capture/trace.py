@@ -103,6 +103,7 @@ def capture(
     n_p, n_b = len(names), len(bnames)
     n_s = len(shared) + sum(len(s) for s in states.values())
     tracker = _ModuleTracker(model)
+    input_args: list[int | str | None] = [None] * len(inputs)  # where each input enters model.forward
 
     def step(*flat: torch.Tensor) -> list[torch.Tensor]:
         p_vals = dict(zip(names, flat[:n_p]))
@@ -112,7 +113,7 @@ def capture(
         s_vals = {n: {s: next(s_iter) for s in states[n]} for n in updated}
         xs = flat[n_p + n_b + n_s :]
         if mode == "inference":
-            with _reparametrize_module(model, {**p_vals, **b_vals}, tie_weights=True):
+            with _reparametrize_module(model, {**p_vals, **b_vals}, tie_weights=True), _forward_args(model, xs, input_args):
                 out = model(*xs)
             leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             if not leaves:
@@ -122,7 +123,8 @@ def capture(
         # Buffers go in as an argument of the differentiated function: torch.func lets it mutate those
         # (BatchNorm's running statistics); functionalization then turns each mutation into an output.
         def loss_of(train_vals: list[torch.Tensor], buf_vals: dict[str, torch.Tensor]) -> torch.Tensor:
-            with _reparametrize_module(model, {**p_vals, **dict(zip(trainable, train_vals)), **buf_vals}, tie_weights=True):
+            with _reparametrize_module(model, {**p_vals, **dict(zip(trainable, train_vals)), **buf_vals}, tie_weights=True), \
+                    _forward_args(model, xs, input_args):
                 loss = loss_fn(model, *xs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -179,6 +181,7 @@ def capture(
             program.opt_states[n][s] = k
             k += 1
     program.inputs = list(range(k, k + len(inputs)))
+    program.input_args = input_args
     if mode == "train":
         program.loss = program.outputs[0]
         program.grads = {n: program.outputs[1 + i] for i, n in enumerate(trainable)}
@@ -267,6 +270,29 @@ def _check_functional(gm: torch.fx.GraphModule) -> None:
                 f"operator {node.target} writes one of its inputs in place and could not be made functional; "
                 "use its out-of-place form in the model, or report the op so a functional rewrite is added"
             )
+
+
+class _forward_args:
+    """Records, on the model's first call, which forward argument (position, or keyword name) each example
+    input is passed as, so a backend can shard the batches that reach `model.forward` as the plan says."""
+
+    def __init__(self, model: nn.Module, xs: Sequence[torch.Tensor], found: list[int | str | None]) -> None:
+        self.model, self.xs, self.found, self.done = model, xs, found, False
+
+    def _pre(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.done:
+            return
+        self.done = True
+        slots: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+        for i, x in enumerate(self.xs):
+            self.found[i] = next((k for k, a in slots if a is x), None)
+
+    def __enter__(self) -> _forward_args:
+        self.handle = self.model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
 
 
 # -- module attribution ------------------------------------------------------------------------------------

@@ -65,3 +65,24 @@ class Mesh:
 
     def __str__(self) -> str:
         return "Mesh{" + ", ".join(f"{n}:{s}" for n, s in self.axes) + "}"
+
+
+def parse_mesh(spec: Mesh | Mapping[str, int] | str) -> tuple[Mesh, frozenset[str]]:
+    """A mesh as users write it (`{"batch": 2, "model": 4}`, `"batch=4:dcn,model=8"` or a `Mesh`) and its
+    axes marked `:dcn` (slow, cross-slice or cross-node links)."""
+    if isinstance(spec, Mesh):
+        return spec, frozenset()
+    if isinstance(spec, Mapping):
+        return Mesh.of(spec), frozenset()
+    if not isinstance(spec, str):
+        raise MeshError(f"a mesh is a dict like {{'batch': 2, 'model': 4}}, a text like 'batch=2,model=4' or a "
+                        f"Mesh, got {type(spec).__name__}")
+    dcn, parts = set(), []
+    for part in spec.split(","):
+        name, _, flag = part.partition(":")
+        if flag:
+            if flag.strip().lower() not in ("dcn", "ib"):
+                raise MeshError(f"mesh axis flag {flag!r} in {part!r}; the only flag is :dcn (slow, cross-node axis)")
+            dcn.add(name.split("=")[0].strip())
+        parts.append(name)
+    return Mesh.parse(",".join(parts)), frozenset(dcn)

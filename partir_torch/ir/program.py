@@ -130,12 +130,14 @@ class Program:
     optimizer: str | None
     shared_states: dict[str, int] = field(default_factory=dict)
     constants: dict[str, int] = field(default_factory=dict)  # tensor constants of the graph, by attribute
+    input_args: list[int | str | None] = field(default_factory=list)  # forward arg of each input (None: not one)
     n_graph_outputs: int = 0  # outputs beyond these are functionalized buffer mutations
     capture_time_s: float = 0.0
     fold: dict[str, int] = field(default_factory=dict)  # folded container path -> its full length (capture/fold.py)
     graph_module: Any = field(default=None, repr=False)
     _users: list[tuple[int, ...]] | None = field(default=None, repr=False)
     _by_name: dict[str, int] | None = field(default=None, repr=False)
+    _hash: str | None = field(default=None, repr=False)
 
     # -- lookups -------------------------------------------------------------------------------------
     @property
@@ -161,6 +163,22 @@ class Program:
             near = difflib.get_close_matches(name, list(self._by_name), n=3)
             hint = f"; did you mean {', '.join(near)}?" if near else ""
             raise KeyError(f"no value named {name!r} in the program{hint}") from None
+
+    def content_hash(self) -> str:
+        """A hash of what the step computes (values' names, shapes, dtypes, roles; ops' targets, operands and
+        arguments; the fold): equal for the same model, inputs, loss and optimizer, so a saved plan can tell
+        whether it was made for this program."""
+        if self._hash is None:
+            import hashlib
+
+            h = hashlib.sha256()
+            for v in self.values:
+                h.update(f"{v.name}|{v.shape}|{v.dtype}|{v.role.value}\n".encode())
+            for op in self.ops:
+                h.update(f"{op.target}|{op.inputs}|{op.outputs}|{op.args!r}|{op.kwargs!r}\n".encode())
+            h.update(repr(sorted(self.fold.items())).encode())
+            self._hash = h.hexdigest()[:16]
+        return self._hash
 
     def values_by_role(self, role: Role) -> list[Value]:
         return [v for v in self.values if v.role is role]

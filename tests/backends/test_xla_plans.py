@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, r
 def _matches_unsharded(model: str, mesh: Mesh, sp, optimizer: str):
     """One training step of `model` under the plan's specs (parameters, inputs, optimizer states, activations,
     gradients) through torch_xla: asserts the unsharded loss and updated parameters, returns the step."""
-    from partir_torch.backends.xla import reference_step, run_step
+    from partir_torch.backends.xla_worker import reference_step, run_step
 
     xla = run_step(model, mesh, sp.params, sp.inputs, sp.optimizer_state, sp.activations, sp.grads,
                    return_params=True, optimizer=optimizer)
@@ -38,7 +38,7 @@ def _matches_unsharded(model: str, mesh: Mesh, sp, optimizer: str):
      ("tiny-gpt2", "batch:BatchParallel;model:Megatron", "sgd")],
 )
 def test_plan_through_torch_xla_matches_unsharded(model, schedule, optimizer):
-    from partir_torch.backends.xla import reference_step, run_step
+    from partir_torch.backends.xla_worker import reference_step, run_step
 
     mesh = Mesh.parse("batch=2,model=4")
     net, inputs, loss_fn = models.build(model, device="meta")

@@ -1,0 +1,206 @@
+"""Compile and run training steps under a plan in a fresh torch_xla process, with XLA's HLO dump on.
+
+XLA reads `XLA_FLAGS` (the dump) and `CPU_NUM_DEVICES` once, when its runtime starts, so each job gets a
+fresh process and its own dump directory. The job applies the plan with the same functions `auto_shard`
+uses (`backends.xla.shard_module`, `shard_optimizer`, `shard_batch`): what is measured is what users run.
+
+A job's model comes from a zoo name / `file.py:factory` (`workload.load`, on the CPU) or from a file that
+`cloudpickle` wrote (a user's model, inputs, loss and optimizer: `verify` on any model). A model built on
+meta is materialized on the XLA device by `shard_module` (each module's `reset_parameters`); the unsharded
+reference of `numerics` then starts from the same values, copied back to the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from partir_torch.backends.hlo import (
+    HloCollective,
+    find_step_module,
+    read_collectives,
+    read_memory_breakdown,
+    read_memory_total,
+)
+from partir_torch.backends.xla import XlaError
+from partir_torch.ir.mesh import Mesh
+from partir_torch.plan import ShardingPlan
+
+# the optimizers of jobs named by kind (the calibration's and the CLI's)
+OPTIMIZERS = {"sgd": ("SGD", {"lr": 1e-2, "momentum": 0.9}), "adam": ("Adam", {"lr": 1e-3}),
+              "adamw": ("AdamW", {"lr": 1e-3})}
+
+
+@dataclass
+class XlaStep:
+    loss: float
+    collectives: list[HloCollective]
+    memory_total: int | None
+    hlo_path: str
+    compile_s: float
+    params_after: dict[str, list] | None = None
+    memory_breakdown: dict[str, int] | None = None
+    losses: list[float] | None = None
+    reference_losses: list[float] | None = None
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    state_shardings: dict[str, str] | None = None
+
+
+def run(plan: ShardingPlan, source: dict[str, Any], *, optimizer: str | None = None, steps: int = 1,
+        numerics: bool = False, seed: int = 0, lowerings: dict[str, bool] | None = None,
+        return_params: bool = False, timeout: float = 900, dump_dir: str | None = None) -> XlaStep:
+    """Run `steps` training steps of the model of `source` ({"workload": spec, "overrides": {...}} or
+    {"pickle": path}) under `plan` in a fresh torch_xla process; read the step's partitioned HLO."""
+    mesh = Mesh.of(plan.mesh)
+    dump = tempfile.mkdtemp(prefix="partir-xla-", dir=dump_dir)  # fresh: the largest module is the step
+    job = {"source": source, "plan": plan.to_json(), "optimizer": optimizer, "steps": steps, "numerics": numerics,
+           "seed": seed, "lowerings": lowerings or {}, "return_params": return_params}
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(mesh.devices),
+           "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$",
+           "TF_CPP_MIN_LOG_LEVEL": "2"}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    try:
+        res = subprocess.run([sys.executable, "-m", "partir_torch.backends.xla_worker", f.name], env=env,
+                             capture_output=True, text=True, timeout=timeout)
+    finally:
+        os.unlink(f.name)
+    if res.returncode != 0:
+        raise XlaError(f"the torch_xla worker failed for {source} on {mesh}:\n{res.stderr[-3000:]}")
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    hlo, mem = find_step_module(dump)
+    return XlaStep(out["loss"], read_collectives(hlo.read_text(), list(mesh.axes)),
+                   read_memory_total(mem.read_text()) if mem else None, str(hlo), out["compile_s"],
+                   out.get("params_after"), read_memory_breakdown(mem.read_text()) if mem else None,
+                   out["losses"], out.get("reference_losses"), out.get("max_abs_diff"), out.get("max_rel_diff"),
+                   out.get("state_shardings"))
+
+
+def run_step(model: str, mesh: Mesh, param_specs: dict[str, list], input_specs: list | None = None,
+             state_specs: dict[str, dict[str, list]] | None = None, activation_specs: dict[str, list] | None = None,
+             grad_specs: dict[str, list] | None = None, *, overrides: dict[str, str] | None = None,
+             optimizer: str = "adamw", seed: int = 0, return_params: bool = False, plain_layer_norm: bool = True,
+             timeout: float = 900) -> XlaStep:
+    """One step of a zoo model with loose specs (the calibration's form; `run` takes a whole plan)."""
+    plan = ShardingPlan(dict(mesh.axes), param_specs, list(input_specs or []), state_specs or {}, {},
+                        activations=activation_specs or {}, grads=grad_specs or {})
+    return run(plan, {"workload": model, "overrides": overrides or {}}, optimizer=optimizer, seed=seed,
+               lowerings={"layer_norm": plain_layer_norm}, return_params=return_params, timeout=timeout)
+
+
+def _optimizer(kind: str, model):
+    import torch
+
+    cls, hp = OPTIMIZERS[kind]
+    return getattr(torch.optim, cls)(model.parameters(), **hp, foreach=False)
+
+
+def reference_step(model: str, *, overrides: dict[str, str] | None = None, optimizer: str = "adamw", seed: int = 0
+                   ) -> tuple[float, dict[str, list]]:
+    """The same first step as a job of `run_step`, unsharded on the CPU in eager torch: (loss, first 64 values
+    of every updated parameter)."""
+    import torch
+
+    from partir_torch import workload
+
+    torch.manual_seed(seed)
+    net, inputs, loss_fn = workload.load(model, overrides, device="cpu")
+    opt = _optimizer(optimizer, net)
+    loss = loss_fn(net, *inputs)
+    loss.backward()
+    opt.step()
+    return float(loss.detach()), {n: p.detach().flatten()[:64].tolist() for n, p in net.named_parameters()}
+
+
+def _load(job: dict[str, Any]):
+    src = job["source"]
+    if "pickle" in src:
+        import cloudpickle
+
+        with open(src["pickle"], "rb") as f:
+            d = cloudpickle.load(f)
+        return d["model"], tuple(d["inputs"]), d["loss_fn"], d["optimizer"]
+    from partir_torch import workload
+
+    model, inputs, loss_fn = workload.load(src["workload"], src.get("overrides"), device="cpu")
+    return model, inputs, loss_fn, _optimizer(job["optimizer"] or "adamw", model)
+
+
+def _reference(model, optimizer, values: dict[str, Any]):
+    """An unsharded copy of (model, optimizer) holding `values` (the sharded model's start, on the CPU)."""
+    import torch.nn as nn
+
+    from partir_torch.backends.xla import _slots, rebuild_optimizer
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    ids = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    made: dict[int, Any] = {}
+    for mod, attr, t, is_param in _slots(model):
+        if id(t) not in made:
+            v = values[ids[id(t)]].clone()
+            made[id(t)] = nn.Parameter(v, t.requires_grad) if is_param else v
+        setattr(mod, attr, made[id(t)])
+    return model, rebuild_optimizer(optimizer, names, dict(model.named_parameters()), foreach=False)
+
+
+def _worker(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from partir_torch.backends import xla
+
+    xla.start_runtime(int(os.environ["CPU_NUM_DEVICES"]))
+    torch_xla, _, _ = xla._xla()
+    torch.manual_seed(job["seed"])
+    model, inputs, loss_fn, optimizer = _load(job)
+    plan = ShardingPlan.from_json(job["plan"])
+    ref = copy.deepcopy((model, optimizer)) if job["numerics"] else None
+    torch_xla.manual_seed(job["seed"])
+    xla.shard_module(model, plan, lowerings=xla.Lowerings(**job["lowerings"]), loss_fn=loss_fn)
+    opt = xla.shard_optimizer(optimizer, model)
+    xin = xla.shard_batch(model, *inputs)
+    start = {n: t.detach().cpu() for n, t in [*model.named_parameters(), *model.named_buffers()]} if ref else None
+    losses, t0, compile_s = [], time.perf_counter(), 0.0
+    for i in range(job["steps"]):
+        loss = loss_fn(model, *xin)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # gradients are temporaries of the step, not outputs of the graph
+        torch_xla.sync()
+        losses.append(float(loss.detach().cpu()))
+        if i == 0:
+            compile_s = time.perf_counter() - t0
+    params = dict(model.named_parameters())
+    out: dict[str, Any] = {"loss": losses[0], "losses": losses, "compile_s": compile_s,
+                           "state_shardings": {f"{n}.{s}": xla.sharding_of(t) for n, p in params.items()
+                                               for s, t in opt.state[p].items() if getattr(t, "dim", lambda: 0)()}}
+    if job.get("return_params"):
+        out["params_after"] = {n: p.detach().cpu().flatten()[:64].tolist() for n, p in params.items()}
+    if ref is not None:
+        ref_model, ref_opt = _reference(*ref, start)
+        ref_losses = []
+        for _ in range(job["steps"]):
+            loss = loss_fn(ref_model, *inputs)
+            loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            ref_losses.append(float(loss.detach()))
+        diffs = [(float((p.detach().cpu() - q.detach()).abs().max()), float(q.detach().abs().max()))
+                 for (_, p), (_, q) in zip(params.items(), ref_model.named_parameters())]
+        diffs += [(abs(a - b), abs(b)) for a, b in zip(losses, ref_losses)]
+        out["reference_losses"] = ref_losses
+        out["max_abs_diff"] = max(d for d, _ in diffs)
+        out["max_rel_diff"] = max(d / max(m, 1e-12) for d, m in diffs)
+    return out
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(json.dumps(_worker(json.load(f))))
