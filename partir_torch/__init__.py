@@ -3,9 +3,12 @@
 Pipeline: capture -> ir -> rules -> propagate/lower -> cost -> search -> plan -> backends.
 """
 
+from partir_torch.api import auto_shard, shard_batch, unshard, verify
 from partir_torch.capture import capture
 from partir_torch.errors import CaptureError, InputShapeError, PartirError, UnsupportedOptimizerError
 from partir_torch.ir import Group, Op, Phase, Program, Role, Value
+from partir_torch.plan import ShardingPlan
+from partir_torch.search.api import search
 
 __all__ = [
     "CaptureError",
@@ -16,8 +19,14 @@ __all__ = [
     "Phase",
     "Program",
     "Role",
+    "ShardingPlan",
     "UnsupportedOptimizerError",
     "Value",
+    "auto_shard",
     "capture",
+    "search",
+    "shard_batch",
+    "unshard",
+    "verify",
 ]
 __version__ = "0.1.0"

@@ -249,8 +249,8 @@ def shard_module(model: nn.Module, plan: ShardingPlan, mesh=None, *, lowerings: 
         for i, t in moved.items():
             name = names.get(i) or bnames.get(i)
             spec = plan.params.get(name) if i in names else plan.buffers.get(name)
-            if spec is not None and any(e is not None for e in spec):
-                xs.mark_sharding(t, mesh, _spec(spec, t.dim()))
+            # replicated ones too: an unannotated parameter's update may come out sharded like its states
+            xs.mark_sharding(t, mesh, _spec(spec, t.dim()))
         _install_hooks(model, record)
         torch_xla.sync()  # materialize (and, from meta, initialize) the sharded parameters now
     except BaseException:
@@ -311,7 +311,7 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
     params = dict(model.named_parameters())
     for n, spec in plan.grads.items():  # parameter gradients reduced as planned
         p = params.get(n)
-        if p is not None and p.requires_grad and spec is not None and any(e is not None for e in spec):
+        if p is not None and p.requires_grad and spec is not None:  # replicated ones too (as parameters)
             rec.handles.append(p.register_hook(grad_to(_spec(spec, p.dim()))))
     rec.handles.append(model.register_forward_pre_hook(_batch_hook(rec), with_kwargs=True))
     if rec.lowerings is not None and rec.lowerings.table:
@@ -355,8 +355,7 @@ def shard_input(rec: Sharded, i: int, x: torch.Tensor) -> torch.Tensor:
                         "another program for this shape", i, list(x.shape), want)
     if x.device.type != "xla":
         x = x.to(torch_xla.device())
-    if spec is not None and any(e is not None for e in spec):
-        xs.mark_sharding(x, rec.mesh, _spec(spec, x.dim()))
+    xs.mark_sharding(x, rec.mesh, _spec(spec, x.dim()))
     return x
 
 
@@ -390,6 +389,14 @@ def _restore(model: nn.Module, rec: Sharded) -> None:
     rec.handles.clear()
     for mod, attr, t in rec.originals:
         setattr(mod, attr, t)
+
+
+def discard(model: nn.Module) -> None:
+    """Undo `shard_module` without keeping its values (a failed `auto_shard`): the model as it was given."""
+    rec = _require(model)
+    _restore(model, rec)
+    del _SHARDED[model]
+    model.__dict__.pop("partir_plan", None)
 
 
 def unshard(model: nn.Module) -> nn.Module:
@@ -468,7 +475,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch
                   else _states(new, ng, p, dev))
             for s, t in st.items():
                 spec = plan.optimizer_state.get(name, {}).get(s, plan.params.get(name))
-                if isinstance(t, torch.Tensor) and t.dim() and spec is not None and any(e is not None for e in spec):
+                if isinstance(t, torch.Tensor) and t.dim():
                     xs.mark_sharding(t, rec.mesh, _spec(spec, t.dim()))
             new.state[p] = st
     rec.optimizer = optimizer

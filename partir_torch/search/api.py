@@ -174,14 +174,12 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     ablations of `SearchConfig` (no propagation-based pruning of actions / no per-axis goals).
     """
     from partir_torch.capture import capture
-    from partir_torch.ir.mesh import Mesh
+    from partir_torch.ir.mesh import parse_mesh
     from partir_torch.plan import ShardingPlan
     from partir_torch.tactics import apply_schedule, parse_schedule
 
-    if isinstance(mesh, dict):
-        mesh = Mesh.of(mesh)
-    elif isinstance(mesh, str):
-        mesh = Mesh.parse(mesh)
+    mesh, marked = parse_mesh(mesh)
+    dcn_axes = frozenset(dcn_axes) | marked
     hw = get_hardware(hardware)
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else list(schedule or [Auto(goal=goal)])
     config = SearchConfig(hw, frozenset(dcn_axes), memory, seed, Budget.parse(budget), algorithm, progress,

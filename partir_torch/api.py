@@ -1,0 +1,132 @@
+"""The user's front door: `auto_shard` (plan, then apply), `unshard`, `shard_batch`.
+
+    model, opt = partir_torch.auto_shard(model, (tokens, targets), {"batch": 2, "model": 4},
+                                         loss_fn=lm_loss, optimizer=torch.optim.AdamW(model.parameters()))
+    for tokens, targets in loader:
+        loss = lm_loss(model, *partir_torch.shard_batch(model, tokens, targets))
+        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True); torch_xla.sync()
+
+constraints -> optimize -> apply: the plan comes from `search()` (or a saved plan / a `ShardingPlan`), is
+checked against the model and mesh, and is applied by a backend (`backends/xla.py`: what it does to the
+model is listed there, and `unshard` undoes it). Until the last step succeeds nothing of the caller's
+model or optimizer is changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from partir_torch.errors import PartirError
+from partir_torch.ir.mesh import Mesh, parse_mesh
+from partir_torch.plan import ShardingPlan
+
+log = logging.getLogger(__name__)
+
+
+def parse_bytes(value: float | int | str | None) -> float | None:
+    """`16GiB`, `80GB`, `512MiB` or a number of bytes."""
+    if value is None or isinstance(value, int | float):
+        return value
+    import re
+
+    m = re.fullmatch(r"\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*", str(value))
+    if not m:
+        raise PartirError(f"cannot read memory size {value!r}; write e.g. 16GiB or 80GB")
+    mult = {"B": 1, None: 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6,
+            "GB": 1e9, "TB": 1e12}[m.group(2)]
+    return float(m.group(1)) * mult
+
+
+def plan_for(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
+             loss_fn: Callable[..., torch.Tensor], optimizer, schedule=None, hardware=None, memory=None,
+             budget=None, seed: int = 0, plan: ShardingPlan | str | os.PathLike | None = None,
+             progress: bool = False) -> tuple[ShardingPlan, Mesh]:
+    """The plan `auto_shard` applies: searched, or the one given (a `ShardingPlan` or a saved plan's path),
+    checked against the model, its example inputs and the mesh."""
+    m, dcn = parse_mesh(mesh)
+    if plan is None:
+        from partir_torch.search.api import search
+
+        plan = search(model, example_inputs, m, loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
+                      hardware=hardware or "cpu-virtual", memory=parse_bytes(memory), dcn_axes=dcn, seed=seed,
+                      budget=budget, progress=progress)
+    elif not isinstance(plan, ShardingPlan):
+        plan = ShardingPlan.load(plan)
+    plan.check(model, example_inputs, mesh=dict(m.axes))
+    return plan, m
+
+
+def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
+               loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer, schedule=None,
+               hardware: str | None = None, memory: float | str | None = None, budget: str | int | None = None,
+               seed: int = 0, plan: ShardingPlan | str | os.PathLike | None = None,
+               progress: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Shard `model`'s training step over `mesh` and return `(model, optimizer)` to train with.
+
+    `mesh`: `{"batch": 2, "model": 4}`, `"batch=2:dcn,model=4"` or a `Mesh`. `loss_fn(model, *inputs)` is the
+    scalar loss of one step on `example_inputs` (targets are inputs too). `optimizer`: the user's
+    torch.optim optimizer on `model.parameters()`; a new one of the same class, groups and hyperparameters
+    is returned on the sharded parameters, its states sharded as the plan says. `schedule`, `hardware`,
+    `memory` (bytes or "16GiB"), `budget` ("30s" or episodes) and `seed` are `search()`'s; `plan` skips
+    the search (a `ShardingPlan` or the path of a saved one). The returned model is the same object, moved
+    to the XLA device, with the plan as `model.partir_plan`; `partir_torch.unshard(model)` undoes it.
+    """
+    from partir_torch.backends import xla
+
+    if not isinstance(model, nn.Module):
+        raise PartirError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if xla.sharded(model) is not None:
+        raise PartirError(f"{type(model).__name__} is already sharded by partir_torch; call "
+                          "partir_torch.unshard(model) first to plan and shard it again")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise PartirError(f"optimizer must be your torch.optim optimizer built on model.parameters() (it is "
+                          f"rebuilt on the sharded parameters), got {optimizer!r}")
+    from partir_torch.capture.optim import optimizer_spec
+
+    optimizer_spec(optimizer, dict(model.named_parameters()))  # an unsupported optimizer fails before the search
+    the_plan, m = plan_for(model, example_inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
+                           hardware=hardware, memory=memory, budget=budget, seed=seed, plan=plan, progress=progress)
+    note = xla.start_runtime(m.devices)
+    if note:
+        print(note, file=sys.stderr)
+    xla.shard_module(model, the_plan, xla.device_mesh(m, the_plan.dcn_axes), loss_fn=loss_fn)
+    try:
+        opt = xla.shard_optimizer(optimizer, model)
+    except BaseException:
+        xla.discard(model)
+        raise
+    log.info("partir_torch: sharded %s over %s\n%s", type(model).__name__, m, the_plan.table())
+    return model, opt
+
+
+def unshard(model: nn.Module) -> nn.Module:
+    """Undo `auto_shard`: the model's own parameter and buffer objects back, holding the trained values, its
+    hooks removed, `partir_plan` gone. The optimizer `auto_shard` returned is not usable after this."""
+    from partir_torch.backends import xla
+
+    return xla.unshard(model)
+
+
+def shard_batch(model: nn.Module, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A batch of the step's inputs (in `example_inputs`' order, targets included) on the device with the
+    plan's shardings. Inputs that reach `model.forward` directly are sharded by its hook anyway; targets
+    that only the loss reads need this (or they run replicated)."""
+    from partir_torch.backends import xla
+
+    return xla.shard_batch(model, *batch)
+
+
+def verify(model: nn.Module, example_inputs, **kwargs: Any):
+    """`model.partir_plan.verify(model, example_inputs, ...)`."""
+    plan = getattr(model, "partir_plan", None)
+    if plan is None:
+        raise PartirError("this model has no plan: shard it with auto_shard, or call plan.verify(model, inputs, "
+                          "loss_fn=..., optimizer=...)")
+    return plan.verify(model, example_inputs, **kwargs)
