@@ -91,11 +91,12 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     from partir_torch.capture.optim import optimizer_spec
 
     optimizer_spec(optimizer, dict(model.named_parameters()))  # an unsupported optimizer fails before the search
-    the_plan, m = plan_for(model, example_inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
-                           hardware=hardware, memory=memory, budget=budget, seed=seed, plan=plan, progress=progress)
-    note = xla.start_runtime(m.devices)
+    m, _ = parse_mesh(mesh)
+    note = xla.start_runtime(m.devices)  # before the capture's backward: see `xla._probe_autograd`
     if note:
         print(note, file=sys.stderr)
+    the_plan, m = plan_for(model, example_inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
+                           hardware=hardware, memory=memory, budget=budget, seed=seed, plan=plan, progress=progress)
     xla.shard_module(model, the_plan, xla.device_mesh(m, the_plan.dcn_axes), loss_fn=loss_fn)
     try:
         opt = xla.shard_optimizer(optimizer, model)

@@ -78,8 +78,10 @@ def start_runtime(devices: int) -> str | None:
     accelerator, the CPU runtime is given `devices` virtual devices; once started, the device count must
     be the mesh's."""
     note = None
-    if "torch_xla" not in sys.modules and "PJRT_DEVICE" not in os.environ and not _has_tpu():
-        os.environ["PJRT_DEVICE"] = "CPU"
+    if "torch_xla" not in sys.modules:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's C++ info and deprecation lines
+        if "PJRT_DEVICE" not in os.environ and not _has_tpu():
+            os.environ["PJRT_DEVICE"] = "CPU"
     torch_xla, _, xr = _xla()
     started = torch_xla._XLAC._xla_runtime_is_initialized()
     if not started and xr.device_type() == "CPU" and "CPU_NUM_DEVICES" not in os.environ:
@@ -94,7 +96,24 @@ def start_runtime(devices: int) -> str | None:
                f"use a mesh whose sizes multiply to {have}")
         raise XlaError(f"the mesh needs {devices} devices, but torch_xla's runtime has {have} "
                        f"({xr.device_type()}{', already started' if started else ''}): {how}")
+    _probe_autograd(torch_xla)
     return note
+
+
+def _probe_autograd(torch_xla) -> None:
+    """PyTorch sizes autograd's per-device queues once, at the first backward of the process: after a backward
+    that ran before torch_xla's runtime started, every XLA backward fails with an internal assert. Say so
+    now, before the model is touched, instead of in the user's first `loss.backward()`."""
+    w = torch.zeros(1, device=torch_xla.device(), requires_grad=True)
+    try:
+        (w * 2).sum().backward()
+    except RuntimeError as e:
+        if "device_ready_queues_" not in str(e):
+            raise
+        raise XlaError("autograd ran before torch_xla's runtime started in this process, and PyTorch sizes its "
+                       "per-device queues once, so no XLA backward can run in it. Start the runtime first: "
+                       "call partir_torch.auto_shard (or torch_xla.runtime.use_spmd(); torch_xla.device()) "
+                       "before any loss.backward(), e.g. at the top of the script") from None
 
 
 def device_mesh(mesh: Mesh, dcn_axes: Sequence[str] = ()):
