@@ -177,14 +177,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _parse_bytes(text: str) -> float:
-    import re
+    from partir_torch.api import parse_bytes
 
-    m = re.fullmatch(r"\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*", text)
-    if not m:
-        raise PartirError(f"cannot read memory size {text!r}; write e.g. 16GiB or 80GB")
-    mult = {"B": 1, None: 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6,
-            "GB": 1e9, "TB": 1e12}[m.group(2)]
-    return float(m.group(1)) * mult
+    return parse_bytes(text)
 
 
 def parse_mesh(text: str):
@@ -263,6 +258,24 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from partir_torch import workload
+    from partir_torch.backends.verify import verify_workload
+    from partir_torch.plan import ShardingPlan
+
+    plan = ShardingPlan.load(args.plan)
+    overrides = workload.parse_overrides(args.config)
+    model, inputs, _ = workload.load(args.model, overrides)
+    plan.check(model, inputs)  # names, shapes and divisibility before a worker is started
+    report = verify_workload(plan, args.model, overrides, steps=args.steps, numerics=args.numerics)
+    if args.json:
+        json.dump(report.to_json(), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(report.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="partir-torch", description="Automatic SPMD partitioning for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -318,6 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("b")
     df.add_argument("--json", action="store_true")
     df.set_defaults(fn=cmd_diff)
+
+    vf = sub.add_parser("verify", help="compile a saved plan's step with torch_xla and compare XLA's collectives "
+                                       "and memory with the prediction")
+    vf.add_argument("model")
+    vf.add_argument("plan", help="a plan saved with `plan --out` or plan.save()")
+    vf.add_argument("--config", action="append", metavar="KEY=VALUE")
+    vf.add_argument("--steps", type=int, default=1, help="training steps to run")
+    vf.add_argument("--numerics", action="store_true", help="also run unsharded and report max |difference|")
+    vf.add_argument("--json", action="store_true")
+    vf.set_defaults(fn=cmd_verify)
 
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=cmd_models)
