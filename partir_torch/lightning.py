@@ -1,0 +1,201 @@
+"""`AutoShardStrategy`: a Lightning user shards a `LightningModule` by changing one argument of `Trainer`.
+
+    trainer = Trainer(strategy=AutoShardStrategy({"batch": 2, "model": 4}), max_steps=100)
+    trainer.fit(MyLightningModule(), train_loader)
+
+How it fits Lightning (2.6): torch_xla SPMD is one process driving every device through one virtual XLA
+device, so the strategy is a single-device strategy on that device, with a small accelerator that reports
+it (Lightning's own XLA accelerator and strategies spawn a process per device, which is not SPMD). On the
+first training batch the strategy captures the module's own `training_step` on that batch with the
+optimizer `configure_optimizers` returned, searches a plan (or takes `plan=`), applies it with
+`partir_torch.backends.xla` (the same path as `auto_shard`), rebuilds the optimizer on the sharded
+parameters (LR schedulers are pointed at it), and logs the plan table. Each batch is then sharded as the
+plan says, and each optimizer step ends the XLA graph (`zero_grad(set_to_none=True)`, then
+`torch_xla.sync()`: gradients are temporaries of the step, as in the costed program). At teardown the
+module is unsharded: its own parameters come back holding the trained values (Lightning then moves it to
+the CPU, as it does for every strategy). While the step is captured, `self.log` / `self.log_dict` of the
+module are silenced (they would log fake tensors).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from partir_torch.errors import PartirError
+
+try:
+    from pytorch_lightning.accelerators import Accelerator
+    from pytorch_lightning.strategies import SingleDeviceStrategy
+except ImportError as e:  # pragma: no cover - the environment pins it
+    raise PartirError(f"partir_torch.lightning needs pytorch-lightning ({e}); pip install 'pytorch-lightning==2.6.6'") from e
+
+log = logging.getLogger(__name__)
+
+
+class SpmdXlaAccelerator(Accelerator):
+    """The one virtual XLA device of torch_xla's SPMD mode (the mesh's devices sit behind it)."""
+
+    def setup_device(self, device: torch.device) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass
+
+    @staticmethod
+    def parse_devices(devices: Any) -> int:
+        return 1
+
+    @staticmethod
+    def get_parallel_devices(devices: Any) -> list[torch.device]:
+        return [torch.device("xla", 0)]
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1
+
+    @staticmethod
+    def is_available() -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec("torch_xla") is not None
+
+    @staticmethod
+    def name() -> str:
+        return "partir_spmd_xla"
+
+    def get_device_stats(self, device: Any) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry: Any) -> None:
+        pass
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    loss = out["loss"] if isinstance(out, dict) else out
+    if not isinstance(loss, torch.Tensor):
+        raise PartirError(f"training_step must return the loss tensor or a dict with 'loss', got {type(out).__name__}")
+    return loss
+
+
+class _Silenced:
+    """`module.log` / `log_dict` as no-ops while the step is captured on fake tensors."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        for name in ("log", "log_dict"):
+            object.__setattr__(self.module, name, lambda *a, **k: None)
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in ("log", "log_dict"):
+            self.module.__dict__.pop(name, None)
+
+
+class AutoShardStrategy(SingleDeviceStrategy):
+    """Search a sharding plan for the `LightningModule`'s training step on `mesh` and train with it.
+
+    `mesh`, `hardware`, `schedule`, `memory`, `budget`, `seed` and `plan` are `auto_shard`'s. After `fit`,
+    `strategy.plan` is the applied `ShardingPlan`."""
+
+    strategy_name = "partir_auto_shard"
+
+    def __init__(self, mesh, *, hardware: str | None = None, schedule: str | None = None,
+                 memory: float | str | None = None, budget: str | int | None = None, seed: int = 0,
+                 plan=None) -> None:
+        from partir_torch.ir.mesh import parse_mesh
+
+        self.mesh, _ = parse_mesh(mesh)  # a bad mesh is reported when the Trainer is built
+        self._mesh_arg = mesh
+        self.options = {"hardware": hardware, "schedule": schedule, "memory": memory, "budget": budget, "seed": seed}
+        self.plan = plan
+        self._sharded = False
+        super().__init__(device=torch.device("xla", 0), accelerator=SpmdXlaAccelerator())
+
+    def setup_environment(self) -> None:
+        from partir_torch.backends import xla
+
+        note = xla.start_runtime(self.mesh.devices)
+        if note:
+            log.info(note)
+        super().setup_environment()
+
+    def model_to_device(self) -> None:
+        """Nothing yet: the model moves with its plan's shardings on the first batch."""
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        from partir_torch.backends import xla
+
+        module = self.lightning_module
+        leaves, spec = pytree.tree_flatten(batch)
+        tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        if not self._sharded:
+            if module is None or not module.trainer.training:
+                return super().batch_to_device(batch, device, dataloader_idx)
+            self._shard(module, leaves, spec, tensors)
+        xs = xla.shard_batch(module, *(leaves[i] for i in tensors))
+        for i, x in zip(tensors, xs):
+            leaves[i] = x
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _shard(self, module, leaves: list, spec, tensors: list[int]) -> None:
+        from partir_torch.api import plan_for
+        from partir_torch.backends import xla
+
+        if len(self.optimizers) != 1:
+            raise PartirError(f"AutoShardStrategy shards one optimizer; configure_optimizers returned "
+                              f"{len(self.optimizers)}")
+        template = self.optimizers[0]
+
+        def loss_fn(model, *xs: torch.Tensor) -> torch.Tensor:
+            full = list(leaves)
+            for i, x in zip(tensors, xs):
+                full[i] = x
+            return _loss_of(model.training_step(pytree.tree_unflatten(full, spec), 0))
+
+        example = [leaves[i] for i in tensors]
+        with _Silenced(module):
+            plan, m = plan_for(module, example, self._mesh_arg, loss_fn=loss_fn, optimizer=template, plan=self.plan,
+                               **self.options)
+        xla.shard_module(module, plan, xla.device_mesh(m, plan.dcn_axes), loss_fn=loss_fn)
+        try:
+            opt = xla.shard_optimizer(template, module)
+        except BaseException:
+            xla.discard(module)
+            raise
+        self.optimizers = [opt]
+        for config in self.lr_scheduler_configs:
+            if getattr(config.scheduler, "optimizer", None) is template:
+                config.scheduler.optimizer = opt
+        self.plan, self._sharded = plan, True
+        module.print(f"partir_torch: {type(module).__name__} sharded over {m}\n{plan.table()}")
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        import torch_xla
+
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        optimizer.zero_grad(set_to_none=True)  # gradients are temporaries of the step, not graph outputs
+        torch_xla.sync()
+        return out
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                for k, v in super().lightning_module_state_dict().items()}
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v,
+                               super().optimizer_state(optimizer))
+
+    def teardown(self) -> None:
+        from partir_torch.backends import xla
+
+        module = self.lightning_module
+        if module is not None and xla.sharded(module) is not None:
+            xla.unshard(module)
+        self.optimizers = []
+        super().teardown()
