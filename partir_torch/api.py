@@ -107,6 +107,17 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     return model, opt
 
 
+def start_runtime(mesh) -> None:
+    """Start torch_xla's SPMD runtime for `mesh` now. `auto_shard` does it itself; call this first when the
+    process runs a backward (a capture, `search()`, CPU training) before `auto_shard`: PyTorch sizes
+    autograd's per-device queues at the first backward of a process, and an XLA backward needs them."""
+    from partir_torch.backends import xla
+
+    note = xla.start_runtime(parse_mesh(mesh)[0].devices)
+    if note:
+        print(note, file=sys.stderr)
+
+
 def unshard(model: nn.Module) -> nn.Module:
     """Undo `auto_shard`: the model's own parameter and buffer objects back, holding the trained values, its
     hooks removed, `partir_plan` gone. The optimizer `auto_shard` returned is not usable after this."""

@@ -46,3 +46,15 @@ def tiny():
     tokens = torch.randint(0, 32, (2, 8))
     targets = torch.randint(0, 32, (2, 8))
     return model, (tokens, targets), lm_loss
+
+
+def pytest_configure(config) -> None:
+    """torch_xla's runtime starts before any test's backward: PyTorch sizes autograd's per-device queues at
+    the first backward of a process, and a capture (a backward on fake tensors) before the runtime starts
+    would make every later XLA backward in this test process fail (`backends.xla._probe_autograd`)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch_xla") is not None:
+        from partir_torch.backends.xla import start_runtime
+
+        start_runtime(8)

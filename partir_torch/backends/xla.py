@@ -88,7 +88,8 @@ def start_runtime(devices: int) -> str | None:
         os.environ["CPU_NUM_DEVICES"] = str(devices)
         note = (f"partir_torch: no accelerator; using torch_xla's CPU runtime with {devices} virtual devices "
                 f"(PJRT_DEVICE=CPU CPU_NUM_DEVICES={devices})")
-    xr.use_spmd()
+    if not xr.is_spmd():
+        xr.use_spmd()
     have = xr.global_runtime_device_count()
     if have != devices:
         how = (f"set PJRT_DEVICE=CPU CPU_NUM_DEVICES={devices} in the environment before torch_xla starts "
@@ -112,8 +113,8 @@ def _probe_autograd(torch_xla) -> None:
             raise
         raise XlaError("autograd ran before torch_xla's runtime started in this process, and PyTorch sizes its "
                        "per-device queues once, so no XLA backward can run in it. Start the runtime first: "
-                       "call partir_torch.auto_shard (or torch_xla.runtime.use_spmd(); torch_xla.device()) "
-                       "before any loss.backward(), e.g. at the top of the script") from None
+                       "call partir_torch.start_runtime(mesh) (or auto_shard) before any backward of the process: "
+                       "before partir_torch.search() or capture(), and before training on the CPU") from None
 
 
 def device_mesh(mesh: Mesh, dcn_axes: Sequence[str] = ()):

@@ -1,0 +1,234 @@
+"""`auto_shard` in the test process, as users call it: shardings on the device tensors, training equal to
+unsharded, meta models materialized sharded, nothing changed when it fails, `unshard` restores."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import partir_torch
+from partir_torch import models
+from partir_torch.errors import PartirError
+from partir_torch.plan import PlanMismatchError
+from partir_torch.search.api import search
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
+MESH = {"batch": 2, "model": 4}
+
+
+class Tagger(nn.Module):
+    """Not a zoo model: embedding, a GRU-free MLP mixer, a tied output head, a buffer."""
+
+    def __init__(self, vocab: int = 64, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.mix = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        return self.head(h + self.scale * self.mix(h))
+
+
+def tagger_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+
+def _tagger():
+    torch.manual_seed(0)
+    model = Tagger()
+    batch = (torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16)))
+    return model, batch
+
+
+def _train(model, opt, loss_fn, batch, steps, shard: bool):
+    import torch_xla
+
+    losses = []
+    for _ in range(steps):
+        xs = partir_torch.shard_batch(model, *batch) if shard else batch
+        loss = loss_fn(model, *xs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if shard:
+            torch_xla.sync()
+        losses.append(float(loss.detach().cpu()))
+    return losses
+
+
+def test_auto_shard_trains_like_unsharded_and_unshard_gives_the_trained_weights_back():
+    from partir_torch.backends.xla import sharding_of
+
+    model, batch = _tagger()
+    ref = copy.deepcopy(model)
+    own = {n: p for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd",
+                  schedule="batch:BatchParallel;model:Megatron")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    assert model.partir_plan is plan
+    assert next(model.parameters()).device.type == "xla"
+    assert model.head.weight is model.embed.weight  # still tied
+    assert sharding_of(model.mix[1].weight).startswith("{devices=[4,1,2]")  # rows over model, batch replicated
+    assert list(model.state_dict()) == keys
+    losses = _train(model, sopt, tagger_loss, batch, 3, shard=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_losses = _train(ref, ref_opt, tagger_loss, batch, 3, shard=False)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert losses[-1] < losses[0]
+    partir_torch.unshard(model)
+    assert not hasattr(model, "partir_plan")
+    assert list(model.state_dict()) == keys
+    for n, p in model.named_parameters():
+        assert p is own[n] and p.device.type == "cpu"  # the caller's own Parameter objects, trained
+        torch.testing.assert_close(p, dict(ref.named_parameters())[n], rtol=1e-5, atol=1e-6)
+
+
+def test_a_zero_plan_holds_sharded_optimizer_states_on_the_device():
+    """The states' shardings are read from the tensors XLA holds, not from the plan."""
+    from partir_torch.backends.xla import sharding_of
+
+    model, batch = _tagger()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt,
+                                          schedule="batch:BatchParallel;model:ZeRO(1)")
+    w = model.mix[1].weight
+    assert sharding_of(w) in ("", "{replicated}")  # ZeRO-1: parameters replicated,
+    assert "devices=" in sharding_of(sopt.state[w]["exp_avg"])  # ... their Adam states sharded
+    assert "devices=" in sharding_of(sopt.state[w]["exp_avg_sq"])
+    assert type(sopt) is torch.optim.AdamW and sopt.param_groups[0]["lr"] == 1e-3
+    assert sopt.param_groups[0]["weight_decay"] == opt.param_groups[0]["weight_decay"]
+    assert not opt.state  # the caller's optimizer is not touched
+    partir_torch.unshard(model)
+
+
+def test_a_meta_model_is_materialized_sharded_without_a_full_host_copy():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from partir_torch.backends.xla import sharding_of
+
+    biggest = 0
+
+    class HostAllocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal biggest
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else [out]:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and type(t) is torch.Tensor:
+                    biggest = max(biggest, t.numel())
+            return out
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
+    x = torch.randn(8, 64, device="meta")
+
+    def loss_fn(m, x):
+        return m(x).square().mean()
+
+    plan = search(model, (x,), MESH, loss_fn=loss_fn, optimizer="sgd", schedule="model:Megatron")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HostAllocations():
+        model, _ = partir_torch.auto_shard(model, (x,), MESH, loss_fn=loss_fn, optimizer=opt, plan=plan)
+    assert biggest < 512 * 64  # no weight was made whole on the host
+    assert "devices=[4,1,2]" in sharding_of(model[0].weight)
+    assert "devices=[1,4,2]" in sharding_of(model[2].weight)
+    w = model[0].weight.detach().cpu()
+    assert w.abs().max() > 0 and w.std() > 0.01  # initialized by reset_parameters, not left empty
+    partir_torch.unshard(model)
+
+
+def test_a_failing_auto_shard_leaves_the_model_and_optimizer_as_they_were():
+    model, batch = _tagger()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tagger_loss(model, *batch).backward()
+    opt.step()
+    opt.zero_grad()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = copy.deepcopy(opt.state_dict())
+    other = search(model, batch, {"batch": 8}, loss_fn=tagger_loss, optimizer="adamw", schedule="batch:BatchParallel")
+    with pytest.raises(PlanMismatchError, match=r"the plan is for mesh \{'batch': 8\}, not \{'batch': 2, 'model': 4\}"):
+        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=other)
+    stranger = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(3))], lr=0.1)
+    plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel")
+    with pytest.raises(PartirError, match=r"holds a tensor of shape \[3\] that is not a parameter of the model"):
+        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=stranger, plan=plan)
+    # failures after the model was moved: in the optimizer's rebuild, and in the model's hooks
+    damped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    with pytest.raises(PartirError, match=r"SGD with dampening != 0 .* use dampening=0"):
+        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=damped, plan=plan)
+    plan.activations = {**plan.activations, "mix.9": [None, None, None]}
+    with pytest.raises(PartirError, match=r"constrains the output of module 'mix.9', which this model does not have"):
+        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    assert partir_torch.backends.xla.sharded(model) is None and not hasattr(model, "partir_plan")
+    for k, v in model.state_dict().items():
+        assert v.device.type == "cpu"
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    after = opt.state_dict()
+    for i, st in state["state"].items():
+        for k, v in st.items():
+            torch.testing.assert_close(after["state"][i][k], v, rtol=0, atol=0)
+
+
+def test_bad_requests_are_named():
+    model, batch = _tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel")
+    with pytest.raises(PartirError, match=r"the mesh needs 16 devices, but torch_xla's runtime has 8 .*CPU_NUM_DEVICES=16"):
+        partir_torch.auto_shard(model, batch, {"batch": 4, "model": 4}, loss_fn=tagger_loss, optimizer=opt)
+    with pytest.raises(PartirError, match=r"optimizer must be your torch.optim optimizer"):
+        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer="adamw")
+    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    with pytest.raises(PartirError, match=r"already sharded by partir_torch; call partir_torch.unshard\(model\) first"):
+        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    with pytest.raises(PartirError, match=r"input 0 has shape \[3, 16\], the plan was made for \[8, 16\]: input 0 dim 0 "
+                                          r"\(size 3\) does not divide over \['batch'\].*drop_last=True"):
+        model(batch[0][:3])
+    partir_torch.unshard(model)
+
+
+def test_a_smaller_batch_that_still_divides_is_sharded_as_planned_with_a_warning(caplog):
+    import torch_xla
+
+    model, batch = _tagger()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel")
+    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    small = (batch[0][:4], batch[1][:4])
+    ref = copy.deepcopy(partir_torch.unshard(model))
+    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    with caplog.at_level(logging.WARNING):
+        loss = tagger_loss(model, *partir_torch.shard_batch(model, *small))
+        torch_xla.sync()
+    assert "input 0 has shape [4, 16], the plan was made for [8, 16]: sharded as planned" in caplog.text
+    assert float(loss.detach()) == pytest.approx(float(tagger_loss(ref, *small).detach()), rel=1e-5)
+    spec = plan.input_sharding(0)
+    assert spec.partition_spec == ("batch", None) and spec.can_apply(batch[0])
+    partir_torch.unshard(model)
+
+
+def test_a_saved_plan_applies_in_another_call_and_a_plan_for_another_model_is_refused(tmp_path):
+    model, batch = _tagger()
+    plan = search(model, batch, "batch=2:dcn,model=4", loss_fn=tagger_loss, optimizer="sgd",
+                  schedule="batch:BatchParallel;model:Megatron")
+    assert plan.dcn_axes == ["batch"]
+    plan.save(tmp_path / "plan.json")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _ = partir_torch.auto_shard(model, batch, "batch=2:dcn,model=4", loss_fn=tagger_loss, optimizer=opt,
+                                       plan=tmp_path / "plan.json")
+    assert model.partir_plan.params == plan.params
+    partir_torch.unshard(model)
+    gpt, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
+    with pytest.raises(PlanMismatchError, match=r"parameters in the plan but not in the model: embed.weight"):
+        partir_torch.auto_shard(gpt, inputs, MESH, loss_fn=loss_fn, optimizer=torch.optim.SGD(gpt.parameters()),
+                                plan=tmp_path / "plan.json")
