@@ -276,6 +276,53 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    import partir_torch
+    from partir_torch import workload
+
+    mesh, _ = parse_mesh(args.mesh)
+    partir_torch.start_runtime(args.mesh)  # before any backward of this process (see api.start_runtime)
+    torch.manual_seed(args.seed)
+    overrides = workload.parse_overrides(args.config)
+    model, inputs, loss_fn = workload.load(args.model, overrides, device="cpu")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{args.model}: {params / 1e6:.2f}M parameters, step inputs {[list(x.shape) for x in inputs]}, "
+          f"mesh {mesh}" + (f", memory limit {args.memory}" if args.memory else ""))
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[args.optimizer]
+    optimizer = cls(model.parameters(), lr=args.lr, **({"momentum": 0.9} if args.optimizer == "sgd" else {}))
+    t0 = time.perf_counter()
+    model, opt = partir_torch.auto_shard(model, inputs, args.mesh, loss_fn=loss_fn, optimizer=optimizer,
+                                         schedule=args.schedule, hardware=args.hardware, memory=args.memory,
+                                         budget=args.budget, seed=args.seed, plan=args.plan, progress=sys.stderr.isatty())
+    plan = model.partir_plan
+    print(plan.table())
+    if plan.search:
+        print(f"search: {plan.search['episodes']} episodes in {plan.search['time_s']:.1f} s; auto_shard took "
+              f"{time.perf_counter() - t0:.1f} s in all")
+    if args.out:
+        plan.save(args.out)
+        print(f"plan saved to {args.out}")
+    import torch_xla
+
+    for step in range(args.steps):
+        t = time.perf_counter()
+        loss = loss_fn(model, *partir_torch.shard_batch(model, *inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch_xla.sync()
+        print(f"step {step}: loss {float(loss.detach()):.4f} ({time.perf_counter() - t:.2f} s"
+              + (", compiling" if step == 0 else "") + ")")
+    if args.verify:
+        report = partir_torch.verify(model, inputs, numerics=args.numerics, steps=max(1, min(args.steps, 3)))
+        print(report.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="partir-torch", description="Automatic SPMD partitioning for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -331,6 +378,25 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("b")
     df.add_argument("--json", action="store_true")
     df.set_defaults(fn=cmd_diff)
+
+    tr = sub.add_parser("train", help="auto-shard a model with torch_xla in this process, train a few steps on its "
+                                      "example batch, and verify the compiled step against the plan")
+    tr.add_argument("model")
+    tr.add_argument("--config", action="append", metavar="KEY=VALUE")
+    tr.add_argument("--mesh", required=True, help="e.g. batch=2,model=4")
+    tr.add_argument("--hardware", default=None, help="cost model preset (default cpu-virtual)")
+    tr.add_argument("--memory", help="per-device memory limit, e.g. 64MiB")
+    tr.add_argument("--schedule", default=None, help="default: search every axis")
+    tr.add_argument("--budget", default="20s")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--plan", help="apply this saved plan instead of searching")
+    tr.add_argument("--out", help="save the plan here")
+    tr.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--steps", type=int, default=5)
+    tr.add_argument("--verify", action="store_true", help="compile the step with the HLO dump and compare")
+    tr.add_argument("--numerics", action="store_true", help="with --verify: also compare with unsharded")
+    tr.set_defaults(fn=cmd_train)
 
     vf = sub.add_parser("verify", help="compile a saved plan's step with torch_xla and compare XLA's collectives "
                                        "and memory with the prediction")

@@ -1,0 +1,57 @@
+"""Searched plans, applied as `auto_shard` applies them, train like unsharded: several steps on the 8-device
+CPU mesh give the unsharded losses and parameters (fp32, 1e-5 relative to each tensor's largest value)
+for every zoo family on three meshes.
+
+The plans are searched under a memory limit of 0.4x the replicated step, so that they must shard weights.
+SGD with momentum: Adam's first steps divide each gradient by its own magnitude, so a gradient that is zero
+up to rounding (GPT's key bias: softmax ignores a shift of k) comes out as +-lr whichever way the sum was
+ordered; `test_adamw_plans_train_like_unsharded` covers Adam on models without such gradients.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from partir_torch import capture, models
+from partir_torch.cost import evaluate, hardware
+from partir_torch.ir import Mesh
+from partir_torch.search.api import search
+from partir_torch.tactics import apply_schedule
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
+MODELS = ["tiny-mlp", "tiny-gpt2", "tiny-llama", "tiny-unet", "tiny-gns", "tiny-moe"]
+MESHES = ["batch=8", "batch=2,model=4", "batch=2,model=2,x=2"]
+
+
+def _searched(name: str, mesh: str, optimizer: str):
+    overrides = {} if name == "tiny-gns" else {"batch": "8"}  # a batch every batch axis divides
+    net, inputs, loss_fn = models.build(name, overrides, device="meta")
+    replicated = evaluate(apply_schedule(capture(net, inputs, loss_fn, optimizer), Mesh.parse(mesh), []),
+                          hardware("cpu-virtual"))
+    plan = search(net, inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, budget=60,
+                  memory=int(0.4 * replicated.peak_memory_bytes))
+    sharded = [n for n, s in plan.params.items() if any(s)] + [i for i, s in enumerate(plan.inputs) if s and any(s)]
+    assert sharded, f"the plan for {name} on {mesh} shards nothing: the check would be vacuous"
+    return plan, overrides
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("name", MODELS)
+def test_searched_plans_train_like_unsharded(name, mesh):
+    from partir_torch.backends.verify import verify_workload
+
+    plan, overrides = _searched(name, mesh, "sgd")
+    report = verify_workload(plan, name, overrides, steps=3, numerics=True)
+    assert len(report.losses) == 3 and report.losses == pytest.approx(report.reference_losses, rel=1e-5)
+    assert report.max_rel_diff <= 1e-5, (report.max_abs_diff, report.max_rel_diff)
+
+
+@pytest.mark.parametrize("name", ["tiny-mlp", "tiny-gns"])
+def test_adamw_plans_train_like_unsharded(name):
+    from partir_torch.backends.verify import verify_workload
+
+    plan, overrides = _searched(name, "batch=2,model=4", "adamw")
+    report = verify_workload(plan, name, overrides, steps=3, numerics=True)
+    assert report.max_rel_diff <= 1e-5, (report.max_abs_diff, report.max_rel_diff)
