@@ -61,3 +61,53 @@ def test_parse_mesh_marks_dcn_axes():
     assert mesh.names == ("data", "model") and dcn == {"data"}
     with pytest.raises(PartirError):
         parse_mesh("data=8:nvme")
+
+
+def _tiny_plan(mesh: str = "batch=2,model=4"):
+    from partir_torch.search.api import search
+
+    model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
+    return model, inputs, search(model, inputs, mesh, loss_fn=loss_fn, optimizer="adamw",
+                                 schedule="batch:BatchParallel;model:Megatron")
+
+
+def test_a_saved_plan_has_everything_to_apply_it_and_loads_back(tmp_path):
+    model, inputs, plan = _tiny_plan("batch=2:dcn,model=4")
+    plan.save(tmp_path / "p.json")
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert d["format"] == 1 and d["mesh"] == {"axes": {"batch": 2, "model": 4}, "dcn": ["batch"]}
+    assert d["hardware"] == "cpu-virtual" and d["schedule"] == "batch:BatchParallel;model:Megatron"
+    assert d["optimizer"] == "adamw" and len(d["program_hash"]) == 16
+    assert d["input_args"] == [0, None]  # tokens reach forward() as its first argument, targets do not
+    assert d["activations"]["h.1.mlp"] == ["batch", None, None]  # a module output, constrained
+    assert d["grads"]["h.0.mlp.c_fc.weight"] == ["model", None]
+    assert d["shapes"]["params"]["h.1.mlp.c_fc.weight"] == [128, 32] and d["shapes"]["inputs"] == [[4, 16], [4, 16]]
+    assert set(d["buffers"]) == {n for n, _ in model.named_buffers()}
+    back = ShardingPlan.load(tmp_path / "p.json")
+    assert back.to_json() == plan.to_json()
+    back.check(model, inputs, mesh={"batch": 2, "model": 4})  # fits: no error
+
+
+def test_a_plan_that_does_not_fit_says_every_mismatch(tmp_path):
+    from partir_torch.plan import PlanMismatchError
+
+    _, _, plan = _tiny_plan()
+    other, inputs, _ = models.build("tiny-gpt2", {"layers": "3", "width": "48", "batch": "3"}, device="meta")
+    with pytest.raises(PlanMismatchError) as e:
+        plan.check(other, inputs, mesh={"batch": 8})
+    msg = str(e.value)
+    assert "the plan is for mesh {'batch': 2, 'model': 4}, not {'batch': 8}" in msg
+    assert "parameters in the model but not in the plan: h.2.ln_1.weight" in msg
+    assert "parameter h.0.mlp.c_fc.weight has shape [192, 48], the plan was made for [128, 32]" in msg
+    assert "input 0 has shape [3, 16], the plan was made for [4, 16]" in msg
+    same, small, _ = models.build("tiny-gpt2", {"batch": "3"}, device="meta")
+    with pytest.raises(PlanMismatchError, match=r"input 0 has shape \[3, 16\]"):
+        plan.check(same, small)
+    plan.shapes["inputs"][0] = [3, 16]  # shape as planned, but the batch axis no longer divides it
+    with pytest.raises(PlanMismatchError, match=r"input 0 dim 0 \(size 3\) does not divide over \['batch'\] \(2 devices\)"):
+        plan.check(same, small)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(PartirError, match=r"is not a saved ShardingPlan"):
+        ShardingPlan.load(tmp_path / "bad.json")
+    with pytest.raises(PartirError, match=r"cannot read a plan from"):
+        ShardingPlan.load(tmp_path / "missing.json")

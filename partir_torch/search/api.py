@@ -209,11 +209,18 @@ def summarize_log(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
     return out
 
 
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def infeasible_message(plan, mesh) -> str:
     c = plan.cost
-    gib = 2**30
-    return (f"no plan found fits in memory: the best one needs {c['peak_memory_bytes'] / gib:.2f} GiB per device, "
-            f"the limit is {c['memory_limit'] / gib:.2f} GiB (mesh {mesh}; best plan: {plan.search and [e['actions'] for e in plan.search['per_axis'] if e.get('chosen', True)]}). "
+    return (f"no plan found fits in memory: the best one needs {_bytes(c['peak_memory_bytes'])} per device, "
+            f"the limit is {_bytes(c['memory_limit'])} (mesh {mesh}; best plan: {plan.search and [e['actions'] for e in plan.search['per_axis'] if e.get('chosen', True)]}). "
             "To fit: use more devices or a bigger mesh axis, add an axis to shard the model over, lower the batch "
             "size, or raise the budget (--budget) so the search explores further.")
 

@@ -188,7 +188,7 @@ def test_bad_requests_are_named():
         partir_torch.auto_shard(model, batch, {"batch": 4, "model": 4}, loss_fn=tagger_loss, optimizer=opt)
     with pytest.raises(PartirError, match=r"optimizer must be your torch.optim optimizer"):
         partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer="adamw")
-    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    model, _ = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
     with pytest.raises(PartirError, match=r"already sharded by partir_torch; call partir_torch.unshard\(model\) first"):
         partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
     with pytest.raises(PartirError, match=r"input 0 has shape \[3, 16\], the plan was made for \[8, 16\]: input 0 dim 0 "
@@ -203,10 +203,9 @@ def test_a_smaller_batch_that_still_divides_is_sharded_as_planned_with_a_warning
     model, batch = _tagger()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel")
-    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
     small = (batch[0][:4], batch[1][:4])
-    ref = copy.deepcopy(partir_torch.unshard(model))
-    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    ref = copy.deepcopy(model)
+    model, _ = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
     with caplog.at_level(logging.WARNING):
         loss = tagger_loss(model, *partir_torch.shard_batch(model, *small))
         torch_xla.sync()

@@ -1,0 +1,46 @@
+"""The examples run at tiny size and print the shardings they chose (each in its own process, as users run them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def _run(*args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_USE_SPMD")}
+    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def test_quickstart_shards_the_weights_and_trains():
+    out = _run(str(EXAMPLES / "quickstart.py"), "--tiny")
+    table = out.split("step 0")[0]
+    assert "parameters sharded:" in table and "'model'" in table  # weights tiled over the model axis
+    losses = [float(line.split("loss ")[1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_saved_plan_is_searched_in_one_process_and_applied_in_another(tmp_path):
+    path = str(tmp_path / "plan.json")
+    searched = _run(str(EXAMPLES / "saved_plan.py"), "search", path, "--tiny")
+    assert "saved to" in searched
+    trained = _run(str(EXAMPLES / "saved_plan.py"), "train", path, "--tiny")
+    table = trained.split("applied")[1]
+    assert table.split("step 0")[0].strip().splitlines()[1:] == searched.split("saved to")[0].strip().splitlines()[1:]
+    assert "step 2: loss" in trained
+
+
+def test_lightning_example_trains_with_the_strategy():
+    out = _run(str(EXAMPLES / "lightning_gpt.py"), "--tiny")
+    assert "the applied plan's sharded parameters:" in out
+    assert any(line.startswith("  net.") for line in out.split("sharded parameters:")[1].splitlines())
+    assert "final loss" in out
