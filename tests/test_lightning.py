@@ -38,7 +38,8 @@ def _module():
 
         def configure_optimizers(self):
             opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # stepped per batch: it must
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}  # follow the new one
 
     return Denoiser
 
@@ -67,7 +68,7 @@ def test_autoshardstrategy_trains_a_lightning_module_like_unsharded():
     ref.load_state_dict(model.state_dict())
     own = dict(model.named_parameters())
     loader = torch.utils.data.DataLoader(_Dicts(32), batch_size=8)
-    strategy = AutoShardStrategy({"batch": 2, "model": 4}, memory="40KiB", budget=60)
+    strategy = AutoShardStrategy({"batch": 2, "model": 4}, memory="64KiB", budget=60)
     trainer = pl.Trainer(strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader)
@@ -75,7 +76,7 @@ def test_autoshardstrategy_trains_a_lightning_module_like_unsharded():
     assert strategy.plan.cost["feasible"]
     # the same steps, unsharded, with the module's own optimizer and scheduler
     conf = ref.configure_optimizers()
-    opt, sched = conf["optimizer"], conf["lr_scheduler"]
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     ref_losses = []
     for batch in loader:
         loss = F.mse_loss(ref.head(ref.enc(batch["x"]).transpose(1, 2)), batch["y"])
