@@ -46,7 +46,7 @@ def main() -> None:
     vocab, d, heads, layers, seq, batch = (128, 32, 4, 2, 16, 8) if args.tiny else (4096, 256, 8, 4, 128, 16)
     data = torch.randint(0, vocab, (4 * batch, seq + 1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch)
-    strategy = AutoShardStrategy({"batch": 2, "model": 4}, memory="240KiB" if args.tiny else "40MiB", budget=80)
+    strategy = AutoShardStrategy({"batch": 2, "model": 4}, memory="400KiB" if args.tiny else "40MiB", budget=80)
     trainer = pl.Trainer(strategy=strategy, max_steps=3 if args.tiny else 8, logger=False, enable_checkpointing=False,
                          enable_model_summary=False, enable_progress_bar=not args.tiny)
     model = LitGPT(vocab, d, heads, layers, seq)

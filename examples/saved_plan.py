@@ -33,7 +33,7 @@ def main() -> None:
     if args.what == "search":
         model, inputs, loss_fn = workload(args.tiny)
         plan = partir_torch.search(model, inputs, mesh, loss_fn=loss_fn, optimizer="adamw", budget=80,
-                                   memory="180KiB" if args.tiny else "48MiB")
+                                   memory="320KiB" if args.tiny else "48MiB")
         plan.save(args.path)
         print(plan.table())
         print(f"saved to {args.path} (program hash {plan.program_hash})")

@@ -23,25 +23,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from partir_torch.cost.hardware import parse_bytes
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh, parse_mesh
 from partir_torch.plan import ShardingPlan
 
 log = logging.getLogger(__name__)
-
-
-def parse_bytes(value: float | int | str | None) -> float | None:
-    """`16GiB`, `80GB`, `512MiB` or a number of bytes."""
-    if value is None or isinstance(value, int | float):
-        return value
-    import re
-
-    m = re.fullmatch(r"\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*", str(value))
-    if not m:
-        raise PartirError(f"cannot read memory size {value!r}; write e.g. 16GiB or 80GB")
-    mult = {"B": 1, None: 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6,
-            "GB": 1e9, "TB": 1e12}[m.group(2)]
-    return float(m.group(1)) * mult
 
 
 def plan_for(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,

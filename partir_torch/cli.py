@@ -11,11 +11,9 @@ from partir_torch.errors import PartirError
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
+    from partir_torch.cost.hardware import format_bytes
+
+    return format_bytes(n)
 
 
 def _fmt_count(n: int) -> str:
@@ -177,7 +175,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _parse_bytes(text: str) -> float:
-    from partir_torch.api import parse_bytes
+    from partir_torch.cost.hardware import parse_bytes
 
     return parse_bytes(text)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from partir_torch.capture.fold import full_names
+from partir_torch.cost.hardware import format_bytes
 from partir_torch.errors import PartirError
 from partir_torch.propagate import ShardingState
 
@@ -264,7 +265,7 @@ class ShardingPlan:
             lines.append(f"  … {len(rows) - top} more")
         c = self.cost
         lines.append(f"step {c['step_time_s'] * 1e3:.2f} ms (compute {c['compute_time_s'] * 1e3:.2f}, communication "
-                     f"{c['comm_time_s'] * 1e3:.2f}); peak memory {c['peak_memory_bytes'] / 2**30:.2f} GiB "
-                     f"({'fits' if c['feasible'] else 'DOES NOT FIT'} in {c['memory_limit'] / 2**30:.1f} GiB)")
-        lines.append("communication per device: " + (", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in c["comm_bytes"].items()) or "none"))
+                     f"{c['comm_time_s'] * 1e3:.2f}); peak memory {format_bytes(c['peak_memory_bytes'])} per device "
+                     f"({'fits' if c['feasible'] else 'DOES NOT FIT'} in {format_bytes(c['memory_limit'])})")
+        lines.append("communication per device: " + (", ".join(f"{k} {format_bytes(v)}" for k, v in c["comm_bytes"].items()) or "none"))
         return "\n".join(lines)

@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from partir_torch.cost.hardware import format_bytes
 from partir_torch.errors import PartirError
 from partir_torch.plan import ShardingPlan
 
@@ -69,20 +70,20 @@ class VerifyReport:
         kinds = sorted(set(self.predicted["comm_bytes"]) | set(self.measured["comm_bytes"]))
         for k in kinds:
             r = self.ratio(k)
-            t.add_row(k, _b(self.predicted["comm_bytes"].get(k, 0)), _b(self.measured["comm_bytes"].get(k, 0)),
+            t.add_row(k, format_bytes(self.predicted["comm_bytes"].get(k, 0)), format_bytes(self.measured["comm_bytes"].get(k, 0)),
                       "-" if r is None else f"{r:.2f}")
         mr = self.memory_ratio
-        t.add_row("peak memory", _b(self.predicted["peak_memory_bytes"]), _b(self.measured["peak_memory_bytes"] or 0),
+        t.add_row("peak memory", format_bytes(self.predicted["peak_memory_bytes"]), format_bytes(self.measured["peak_memory_bytes"] or 0),
                   "-" if mr is None else f"{mr:.2f}")
         con = Console(width=110, record=True, file=open(os.devnull, "w"))  # noqa: SIM115 (rich needs a file)
         con.print(t)
         lines = [con.export_text().rstrip()]
         for u in self.unexpected_collectives:
             lines.append(f"UNEXPECTED: {u['count']} x {u['kind']} over {','.join(u['axes']) or '-'}: "
-                         f"{_b(u['bytes'])} (the plan predicts no {u['kind']} there)")
+                         f"{format_bytes(u['bytes'])} (the plan predicts no {u['kind']} there)")
         for u in self.known_deviations:
             lines.append(f"known XLA CPU deviation: {u['count']} x {u['kind']} over {','.join(u['axes']) or '-'}: "
-                         f"{_b(u['bytes'])} ({u['cause']})")
+                         f"{format_bytes(u['bytes'])} ({u['cause']})")
         if not self.unexpected_collectives:
             lines.append("no collective the plan did not predict")
         if self.max_abs_diff is not None:
@@ -90,14 +91,6 @@ class VerifyReport:
                          f"max |sharded - unsharded| {self.max_abs_diff:.3g} (relative {self.max_rel_diff:.3g})")
         lines += self.notes
         return "\n".join(lines)
-
-
-def _b(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def compare(plan: ShardingPlan, step) -> VerifyReport:

@@ -63,7 +63,8 @@ def run(plan: ShardingPlan, source: dict[str, Any], *, optimizer: str | None = N
     dump = tempfile.mkdtemp(prefix="partir-xla-", dir=dump_dir)  # fresh: the largest module is the step
     job = {"source": source, "plan": plan.to_json(), "optimizer": optimizer, "steps": steps, "numerics": numerics,
            "seed": seed, "lowerings": lowerings or {}, "return_params": return_params}
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(mesh.devices),
+    path = os.pathsep.join(p for p in sys.path if p)  # the caller's modules (a pickled model's classes) import there
+    env = {**os.environ, "PYTHONPATH": path, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(mesh.devices),
            "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$",
            "TF_CPP_MIN_LOG_LEVEL": "2"}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

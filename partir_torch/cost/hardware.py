@@ -108,3 +108,26 @@ def hardware(name: str | Hardware, **overrides: float) -> Hardware:
     if bad:
         raise HardwareError(f"unknown hardware figure(s) {sorted(bad)}; figures: {sorted(known)}")
     return replace(hw, **overrides) if overrides else hw
+
+
+def parse_bytes(value: float | int | str | None) -> float | None:
+    """A memory size as users write it: `16GiB`, `80GB`, `512MiB`, or a number of bytes."""
+    if value is None or isinstance(value, int | float):
+        return value
+    import re
+
+    m = re.fullmatch(r"\s*([\d.]+)\s*(B|KiB|MiB|GiB|TiB|KB|MB|GB|TB)?\s*", str(value))
+    if not m:
+        raise PartirError(f"cannot read memory size {value!r}; write e.g. 16GiB or 80GB")
+    mult = {"B": 1, None: 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6,
+            "GB": 1e9, "TB": 1e12}[m.group(2)]
+    return float(m.group(1)) * mult
+
+
+def format_bytes(n: float) -> str:
+    """`123 B`, `45.6 KiB`, `7.8 MiB`, `1.23 GiB`: sizes as people read them, tiny or large."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}" if unit == "GiB" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

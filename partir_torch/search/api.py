@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from partir_torch.cost.hardware import Hardware
+from partir_torch.cost.hardware import Hardware, format_bytes, parse_bytes
 from partir_torch.cost.hardware import hardware as get_hardware
 from partir_torch.errors import PartirError
 from partir_torch.propagate import ShardingState
@@ -161,7 +161,7 @@ def run_search(state: ShardingState, axes: tuple[str, ...], goal: str, config: S
 
 
 def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", schedule=None,
-           hardware: str | Hardware = "cpu-virtual", memory: float | None = None, dcn_axes=(), seed: int = 0,
+           hardware: str | Hardware = "cpu-virtual", memory: float | str | None = None, dcn_axes=(), seed: int = 0,
            budget: str | int | Budget | None = None, goal: str = "time", algorithm: str = "mcts",
            fold: bool = True, progress: bool = False, require_fit: bool = True, prune: bool = True,
            goals: bool = True):
@@ -169,7 +169,7 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     `"batch=2,model=4"` or a `Mesh`) and return it as a `ShardingPlan` (specs, cost report, statistics).
 
     `schedule` defaults to `Auto` on every axis; a text such as `"batch:BatchParallel;model:Auto"` mixes
-    manual tactics and search. `memory` (bytes) overrides the preset's device memory. With `require_fit`
+    manual tactics and search. `memory` (bytes, or a text like "16GiB") overrides the preset's device memory. With `require_fit`
     an `InfeasibleError` reports the best plan when none fits. `prune=False` / `goals=False` are the
     ablations of `SearchConfig` (no propagation-based pruning of actions / no per-axis goals).
     """
@@ -181,6 +181,7 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     mesh, marked = parse_mesh(mesh)
     dcn_axes = frozenset(dcn_axes) | marked
     hw = get_hardware(hardware)
+    memory = parse_bytes(memory)
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else list(schedule or [Auto(goal=goal)])
     config = SearchConfig(hw, frozenset(dcn_axes), memory, seed, Budget.parse(budget), algorithm, progress,
                           prune=prune, goals=goals)
@@ -209,18 +210,10 @@ def summarize_log(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
     return out
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def infeasible_message(plan, mesh) -> str:
     c = plan.cost
-    return (f"no plan found fits in memory: the best one needs {_bytes(c['peak_memory_bytes'])} per device, "
-            f"the limit is {_bytes(c['memory_limit'])} (mesh {mesh}; best plan: {plan.search and [e['actions'] for e in plan.search['per_axis'] if e.get('chosen', True)]}). "
+    return (f"no plan found fits in memory: the best one needs {format_bytes(c['peak_memory_bytes'])} per device, "
+            f"the limit is {format_bytes(c['memory_limit'])} (mesh {mesh}; best plan: {plan.search and [e['actions'] for e in plan.search['per_axis'] if e.get('chosen', True)]}). "
             "To fit: use more devices or a bigger mesh axis, add an axis to shard the model over, lower the batch "
             "size, or raise the budget (--budget) so the search explores further.")
 

@@ -67,7 +67,7 @@ def test_zero_goal_shards_only_parameters_and_optimizer_state():
 
 def test_infeasible_search_reports_the_best_plan_and_what_would_help():
     model, inputs, loss_fn = models.build("tiny-mlp")
-    with pytest.raises(InfeasibleError, match=r"needs [\d.]+ KiB per device, the limit is 1.00 KiB .*bigger mesh axis"):
+    with pytest.raises(InfeasibleError, match=r"needs [\d.]+ KiB per device, the limit is 1.0 KiB .*bigger mesh axis"):
         search(model, inputs, "batch=2", loss_fn=loss_fn, memory=1024, budget=10)
 
 
