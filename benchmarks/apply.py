@@ -45,17 +45,12 @@ def one(name: str, steps: int) -> dict:
     t = time.perf_counter()
     model, sopt = partir_torch.auto_shard(model, inputs, MESH, loss_fn=loss_fn, optimizer=opt, plan=plan)
     apply_s = time.perf_counter() - t
-    import torch_xla
+    from partir_torch.backends.xla import train_step
 
     times = []
     for _ in range(steps + 1):
         t = time.perf_counter()
-        loss = loss_fn(model, *partir_torch.shard_batch(model, *inputs))
-        loss.backward()
-        sopt.step()
-        sopt.zero_grad(set_to_none=True)
-        torch_xla.sync()
-        float(loss.detach())
+        float(train_step(model, sopt, loss_fn, inputs))
         times.append(time.perf_counter() - t)
     return {"model": name, "config": CONFIGS.get(name), "mesh": MESH, "schedule": plan.schedule,
             "params": sum(p.numel() for p in model.parameters()), "runtime_start_s": runtime_s, "plan_s": plan_s,

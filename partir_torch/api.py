@@ -84,12 +84,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
         print(note, file=sys.stderr)
     the_plan, m = plan_for(model, example_inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
                            hardware=hardware, memory=memory, budget=budget, seed=seed, plan=plan, progress=progress)
-    xla.shard_module(model, the_plan, xla.device_mesh(m, the_plan.dcn_axes), loss_fn=loss_fn)
-    try:
-        opt = xla.shard_optimizer(optimizer, model)
-    except BaseException:
-        xla.discard(model)
-        raise
+    opt = xla.apply(model, optimizer, the_plan, xla.device_mesh(m, the_plan.dcn_axes), loss_fn=loss_fn)
     log.info("partir_torch: sharded %s over %s\n%s", type(model).__name__, m, the_plan.table())
     return model, opt
 

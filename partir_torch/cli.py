@@ -304,15 +304,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.out:
         plan.save(args.out)
         print(f"plan saved to {args.out}")
-    import torch_xla
+    from partir_torch.backends.xla import train_step
 
     for step in range(args.steps):
         t = time.perf_counter()
-        loss = loss_fn(model, *partir_torch.shard_batch(model, *inputs))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch_xla.sync()
+        loss = train_step(model, opt, loss_fn, inputs)
         print(f"step {step}: loss {float(loss.detach()):.4f} ({time.perf_counter() - t:.2f} s"
               + (", compiling" if step == 0 else "") + ")")
     if args.verify:

@@ -162,12 +162,7 @@ class AutoShardStrategy(SingleDeviceStrategy):
         with _Silenced(module):
             plan, m = plan_for(module, example, self._mesh_arg, loss_fn=loss_fn, optimizer=template, plan=self.plan,
                                **self.options)
-        xla.shard_module(module, plan, xla.device_mesh(m, plan.dcn_axes), loss_fn=loss_fn)
-        try:
-            opt = xla.shard_optimizer(template, module)
-        except BaseException:
-            xla.discard(module)
-            raise
+        opt = xla.apply(module, template, plan, xla.device_mesh(m, plan.dcn_axes), loss_fn=loss_fn)
         self.optimizers = [opt]
         for config in self.lr_scheduler_configs:
             if getattr(config.scheduler, "optimizer", None) is template:

@@ -501,3 +501,28 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch
     rec.optimizer = optimizer
     torch_xla.sync()
     return new
+
+
+def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan, mesh=None, *,
+          lowerings: Lowerings | None = None, loss_fn=None) -> torch.optim.Optimizer:
+    """`shard_module` then `shard_optimizer`, all or nothing: returns the sharded optimizer; on a failure the
+    model is as it was given."""
+    shard_module(model, plan, mesh, lowerings=lowerings, loss_fn=loss_fn)
+    try:
+        return shard_optimizer(optimizer, model)
+    except BaseException:
+        discard(model)
+        raise
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, batch: Sequence[torch.Tensor]
+               ) -> torch.Tensor:
+    """One step of the sharded model, ending the XLA graph: batch sharded as planned, backward, update,
+    gradients dropped (temporaries of the step, not outputs of the graph), `torch_xla.sync()`."""
+    torch_xla, _, _ = _xla()
+    loss = loss_fn(model, *shard_batch(model, *batch))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    torch_xla.sync()
+    return loss.detach()

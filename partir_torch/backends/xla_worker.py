@@ -164,18 +164,11 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     plan = ShardingPlan.from_json(job["plan"])
     ref = copy.deepcopy((model, optimizer)) if job["numerics"] else None
     torch_xla.manual_seed(job["seed"])
-    xla.shard_module(model, plan, lowerings=xla.Lowerings(**job["lowerings"]), loss_fn=loss_fn)
-    opt = xla.shard_optimizer(optimizer, model)
-    xin = xla.shard_batch(model, *inputs)
+    opt = xla.apply(model, optimizer, plan, lowerings=xla.Lowerings(**job["lowerings"]), loss_fn=loss_fn)
     start = {n: t.detach().cpu() for n, t in [*model.named_parameters(), *model.named_buffers()]} if ref else None
     losses, t0, compile_s = [], time.perf_counter(), 0.0
     for i in range(job["steps"]):
-        loss = loss_fn(model, *xin)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)  # gradients are temporaries of the step, not outputs of the graph
-        torch_xla.sync()
-        losses.append(float(loss.detach().cpu()))
+        losses.append(float(xla.train_step(model, opt, loss_fn, inputs).cpu()))
         if i == 0:
             compile_s = time.perf_counter() - t0
     params = dict(model.named_parameters())
