@@ -231,3 +231,14 @@ def test_a_saved_plan_applies_in_another_call_and_a_plan_for_another_model_is_re
     with pytest.raises(PlanMismatchError, match=r"parameters in the plan but not in the model: embed.weight"):
         partir_torch.auto_shard(gpt, inputs, MESH, loss_fn=loss_fn, optimizer=torch.optim.SGD(gpt.parameters()),
                                 plan=tmp_path / "plan.json")
+
+
+def test_without_torch_xla_the_error_says_how_to_install_the_pinned_pair(monkeypatch):
+    import sys
+
+    for name in ("torch_xla", "torch_xla.distributed.spmd", "torch_xla.runtime"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError, as when it is not installed
+    model, batch = _tagger()
+    with pytest.raises(PartirError, match=r"torch_xla is not installed .*torch-xla==2.9.0"):
+        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=torch.optim.SGD(model.parameters()))
+    assert next(model.parameters()).device.type == "cpu"
