@@ -139,6 +139,23 @@ def _spec(entry: list | None, n: int) -> tuple:
     return tuple(tuple(e) if isinstance(e, list) else e for e in entry)
 
 
+def _to_device(t: torch.Tensor, mesh, spec: list | None) -> torch.Tensor:
+    """A host tensor on the XLA device, transferred shard by shard with `spec` (a `.to(device)` would place
+    it whole on every device first, and `mark_sharding` then move it back to re-split it)."""
+    torch_xla, xs, _ = _xla()
+    import torch_xla.core.xla_model as xm
+
+    if t.dim() == 0:  # a scalar: replicated, nothing to split
+        return t.detach().to(torch_xla.device())
+    if t.dim() == 1 and t.device.type != "xla":  # torch_xla 2.9 cannot transfer a partially tiled 1-D tensor
+        t = t.detach().to(torch_xla.device())  # by shards (an IndexError); vectors are small: move, then split
+    if t.device.type == "xla":
+        xs.mark_sharding(t, mesh, _spec(spec, t.dim()))
+        return t
+    sharding = xs.ShardingSpec(mesh, _spec(spec, t.dim()))
+    return xm.send_cpu_data_to_device([t.detach().cpu()], torch_xla.device(), sharding)[0]
+
+
 def sharding_of(t: torch.Tensor) -> str:
     """torch_xla's sharding annotation of a device tensor ('' when replicated / none): what tests check."""
     torch_xla, _, _ = _xla()
@@ -260,17 +277,19 @@ def shard_module(model: nn.Module, plan: ShardingPlan, mesh=None, *, lowerings: 
         for mod, attr, t, is_param in slots:
             new = moved.get(id(t))
             if new is None:
-                data = torch.empty_like(t, device=dev) if t.is_meta else t.detach().to(dev)
+                name = names.get(id(t)) or bnames.get(id(t))
+                # replicated ones too: an unannotated parameter's update may come out sharded like its states
+                spec = plan.params.get(name) if id(t) in names else plan.buffers.get(name)
+                data = torch.empty_like(t, device=dev) if t.is_meta else _to_device(t, mesh, spec)
                 new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
                 moved[id(t)] = new
             setattr(mod, attr, new)
         if on_meta:
             _initialize(model, [bnames[i] for i in on_meta if i in bnames])
-        for i, t in moved.items():
-            name = names.get(i) or bnames.get(i)
-            spec = plan.params.get(name) if i in names else plan.buffers.get(name)
-            # replicated ones too: an unannotated parameter's update may come out sharded like its states
-            xs.mark_sharding(t, mesh, _spec(spec, t.dim()))
+            for i, t in moved.items():  # marked after their initialization (lazy: computed sharded)
+                name = names.get(i) or bnames.get(i)
+                spec = plan.params.get(name) if i in names else plan.buffers.get(name)
+                xs.mark_sharding(t, mesh, _spec(spec, t.dim()))
         _install_hooks(model, record)
         torch_xla.sync()  # materialize (and, from meta, initialize) the sharded parameters now
     except BaseException:
@@ -358,7 +377,6 @@ def shard_input(rec: Sharded, i: int, x: torch.Tensor) -> torch.Tensor:
     """Input `i` of the step on the device with the plan's sharding. A batch of another shape than the
     example's (the last, smaller batch of an epoch) is sharded the same way when its dims still divide,
     with one warning (XLA compiles a second program for it); otherwise it is an error."""
-    torch_xla, xs, _ = _xla()
     plan = rec.plan
     spec = plan.inputs[i] if i < len(plan.inputs) else None
     want = plan.shapes.get("inputs", [None] * (i + 1))[i] if plan.shapes.get("inputs") else None
@@ -373,10 +391,7 @@ def shard_input(rec: Sharded, i: int, x: torch.Tensor) -> torch.Tensor:
             rec.warned_shapes.add((i, tuple(x.shape)))
             log.warning("input %d has shape %s, the plan was made for %s: sharded as planned; XLA compiles "
                         "another program for this shape", i, list(x.shape), want)
-    if x.device.type != "xla":
-        x = x.to(torch_xla.device())
-    xs.mark_sharding(x, rec.mesh, _spec(spec, x.dim()))
-    return x
+    return _to_device(x, rec.mesh, spec)
 
 
 def shard_batch(model: nn.Module, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -480,7 +495,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch
     """`optimizer` (built on the caller's parameters of `model`) rebuilt on the sharded ones: same class, param
     groups and hyperparameters; its states (moved, or created as torch would) sharded as the plan says. The
     caller's optimizer is not modified."""
-    torch_xla, xs, _ = _xla()
+    torch_xla, _, _ = _xla()
     rec = _require(model)
     plan, dev = rec.plan, torch_xla.device()
     if isinstance(optimizer, torch.optim.SGD) and any(g.get("dampening", 0) for g in optimizer.param_groups):
@@ -491,12 +506,11 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch
         for old_p, p in zip(og["params"], ng["params"]):
             name = rec.names[id(old_p)]
             had = optimizer.state.get(old_p)
-            st = ({k: (v.detach().to(dev) if isinstance(v, torch.Tensor) else v) for k, v in had.items()} if had
-                  else _states(new, ng, p, dev))
+            st = dict(had) if had else _states(new, ng, p, dev)
             for s, t in st.items():
                 spec = plan.optimizer_state.get(name, {}).get(s, plan.params.get(name))
-                if isinstance(t, torch.Tensor) and t.dim():
-                    xs.mark_sharding(t, rec.mesh, _spec(spec, t.dim()))
+                if isinstance(t, torch.Tensor):
+                    st[s] = _to_device(t, rec.mesh, spec if t.dim() else [])
             new.state[p] = st
     rec.optimizer = optimizer
     torch_xla.sync()
