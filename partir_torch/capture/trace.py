@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+from partir_torch.capture.decomp import FUNCTIONAL_DECOMPS
 from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
@@ -140,14 +141,21 @@ def capture(
             new_states += [new_s[s] for s in states[n]]
         return [loss, *(grads[n] for n in trainable), *new_params, *new_states]
 
+    mkldnn = torch._C._get_mkldnn_enabled()
     try:
+        # mkldnn off: CPU dispatch would pick `mkldnn_rnn_layer` for nn.LSTM/GRU; the portable composite
+        # (linear + pointwise per time step) is what other devices run and what the rules cover
+        torch._C._set_mkldnn_enabled(False)
         with fx_traceback.preserve_node_meta(), tracker:
             traced = torch.func.functionalize(step, remove="mutations")
-            gm = make_fx(traced, decomposition_table=_FUNCTIONAL_DECOMPS, tracing_mode="fake")(*fakes)
+            gm = make_fx(traced, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
+                         record_stack_traces=True)(*fakes)
     except CaptureError:
         raise
     except Exception as e:  # translate torch's errors into ones that name what to change
         raise _explain(e, tracker, inputs) from e
+    finally:
+        torch._C._set_mkldnn_enabled(mkldnn)
     _check_functional(gm)
 
     out_roles: list[tuple[Role, str, int | None]] = []  # (role, name, index of the updated flat input)
@@ -239,21 +247,6 @@ def _capture_folded(model, example_inputs, loss_fn, optimizer, mode) -> Program 
         fake_log.setLevel(level)
 
 
-def _bn_legit(x, weight, bias, running_mean, running_var, training, momentum, eps):
-    """BatchNorm that updates its running statistics in place, rewritten as the functional op plus copies.
-
-    Functionalization cannot see the in-place write inside `_native_batch_norm_legit` under a grad
-    transform; the `copy_`s it does see become buffer outputs (`updated[bn.running_mean]`).
-    """
-    out, mean, rstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
-        x, weight, bias, running_mean, running_var, training, momentum, eps
-    )
-    running_mean.copy_(new_mean)
-    running_var.copy_(new_var)
-    return out, mean, rstd
-
-
-_FUNCTIONAL_DECOMPS = {aten._native_batch_norm_legit.default: _bn_legit}
 
 
 def _check_functional(gm: torch.fx.GraphModule) -> None:
@@ -331,6 +324,7 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
     ops: list[Op] = []
     env: dict[torch.fx.Node, Any] = {}  # node -> value id, or tuple of value ids for multi-output ops
     fwd_module_by_seq: dict[int, str] = {}
+    fwd_source_by_seq: dict[int, str] = {}
 
     def new_value(name: str, val: Any, role: Role, producer: int) -> int:
         if not isinstance(val, torch.Tensor):
@@ -382,12 +376,19 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
         for a in node.all_input_nodes:
             v = env[a]
             inputs += [v] if isinstance(v, int) else [x for x in v if x >= 0]
-        module = (node.meta.get("custom") or {}).get("module")
+        custom = node.meta.get("custom") or {}
+        module, source = custom.get("module"), custom.get("source") or _user_line(node.meta.get("stack_trace"))
         seq = node.meta.get("seq_nr")
         if module is not None and seq is not None:
             fwd_module_by_seq.setdefault(seq, module)
         elif module is None and seq is not None:
             module = fwd_module_by_seq.get(seq)
+        if source is not None and seq is not None:
+            fwd_source_by_seq.setdefault(seq, source)
+        elif source is None and seq is not None:
+            source = fwd_source_by_seq.get(seq)
+        # kept on the node, so a re-trace that decomposes it (rules/decompose.py) attributes its parts too
+        node.meta["custom"] = {"module": module, "source": source}
         ops.append(
             Op(
                 oid,
@@ -399,6 +400,7 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
                 Phase.FORWARD,
                 module,
                 node.target,
+                source,
             )
         )
 
@@ -426,6 +428,20 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
     return program
 
 
+def _user_line(stack_trace: str | None) -> str | None:
+    """`modeling_gpt2.py:123` of the innermost frame outside torch and partir_torch in an FX stack trace."""
+    if not stack_trace:
+        return None
+    found = None
+    for line in stack_trace.splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            path, _, rest = line[6:].partition('", line ')
+            if not path.startswith(_TORCH_DIR) and not path.startswith(_OUR_DIR) and "<" not in path:
+                found = f"{os.path.basename(path)}:{rest.split(',')[0]}"
+    return found
+
+
 def _assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> None:
     """Forward = ancestors of the loss; backward = other ancestors of the gradients; the rest optimizer."""
 
@@ -445,7 +461,8 @@ def _assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> No
     for i, op in enumerate(ops):
         phase = Phase.FORWARD if i in fwd else Phase.BACKWARD if i in bwd else Phase.OPTIMIZER
         if phase is not Phase.FORWARD:
-            ops[i] = Op(op.id, op.target, op.inputs, op.outputs, op.args, op.kwargs, phase, op.module, op.overload)
+            ops[i] = Op(op.id, op.target, op.inputs, op.outputs, op.args, op.kwargs, phase, op.module, op.overload,
+                        op.source)
 
 
 def _groups(model: nn.Module, program: Program, spec: OptimizerSpec | None) -> list[Group]:
