@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -201,6 +202,8 @@ def parse_schedule(text: str, mesh: Mesh) -> list[Tactic]:
     """`"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` -> tactics; axes are checked against the mesh."""
     out: list[Tactic] = []
     for part in filter(None, (s.strip() for s in text.split(";"))):
+        if part.lower() == "fallback":  # an option of the schedule, not a tactic (`wants_fallback`)
+            continue
         auto = re.fullmatch(r"([\w,+*]+)\s*:\s*auto\s*(?:\(\s*(\w+)?\s*(?:,\s*(\w+)\s*)?\))?", part, re.I)
         if auto:
             from partir_torch.search.api import Auto
@@ -254,6 +257,42 @@ def _check_reuse(tactics: list, mesh: Mesh, text: str) -> None:
         seen.add(key)
 
 
+def wants_fallback(schedule: str | list | None) -> bool:
+    """A schedule text with a `fallback` entry (`"fallback;batch:BatchParallel"`) runs ops without rules
+    replicated, as `fallback=True` does."""
+    return isinstance(schedule, str) and any(p.strip().lower() == "fallback" for p in schedule.split(";"))
+
+
+def warn_fallbacks(state: ShardingState) -> list[str]:
+    """One warning per op without a rule (run replicated): the op, its module and source line, and the
+    collectives its replicated operands add to the plan. Returns the messages."""
+    from partir_torch.lower import lower
+    from partir_torch.rules.base import rule_name, where
+
+    p = state.program
+    fell = {op.id for op in p.ops if rule_name(op.target) is None}
+    if not fell:
+        return []
+    added: dict[int, list] = {}
+    for c in lower(state):
+        if c.op in fell:
+            added.setdefault(c.op, []).append(c)
+    by: dict[tuple[str, str], list[int]] = {}
+    for o in sorted(fell):
+        by.setdefault((p.ops[o].target, where(p.ops[o])), []).append(o)
+    msgs = []
+    for (target, place), ops in by.items():
+        cs = [c for o in ops for c in added.get(o, [])]
+        kinds = sorted({f"{c.kind} on {c.axis!r}" for c in cs})
+        cost = (f"adds {len(cs)} collective(s), {sum(c.bytes for c in cs)} bytes per device ({', '.join(kinds)})"
+                if cs else "adds no communication under this plan (its operands are replicated already)")
+        msgs.append(f"no tile-mapping rule for {target} ({len(ops)} op(s), {place}): it runs replicated "
+                    f"(fallback) and {cost}; add a rule in partir_torch/rules/<family>.py to shard it")
+    for m in msgs:
+        warnings.warn(m, stacklevel=3)
+    return msgs
+
+
 def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallback: bool = False,
                    search=None) -> ShardingState:
     """Apply a schedule to a fresh state. Ops without rules are decomposed first (`state.program` may then
@@ -262,6 +301,7 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
     from partir_torch.rules.decompose import prepare
     from partir_torch.search.api import Auto
 
+    fallback = fallback or wants_fallback(schedule)
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else schedule
     state = ShardingState(prepare(program, fallback=fallback), mesh, fallback=fallback)
     for t in tactics:
@@ -272,4 +312,6 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
                 t.apply(state)
         except IllegalActionError as e:
             raise ScheduleError(f"{type(t).__name__} on {getattr(t, 'axis', '?')!r}: {e}") from e
+    if fallback:
+        warn_fallbacks(state)
     return state

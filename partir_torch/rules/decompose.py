@@ -109,3 +109,48 @@ def _retrace(program: Program, table) -> Program:
                                                                if program.values[m].name in by_name))
                   for g in program.groups]
     return new
+
+
+@dataclass
+class Coverage:
+    """What `plan` will meet: per aten op of the captured step its rule (or `decomposed`), and what is
+    left after the same decomposition and rule lookup `plan` runs — each with its module and source line."""
+
+    ops: dict[str, str | None]  # captured aten op -> rule name, "decomposed", or None (fails / falls back)
+    counts: dict[str, int]
+    missing: list[Uncovered]  # after decomposition: ops that fail without fallback, run replicated with it
+    errors: list[str]  # rules that raised on an op (a bug in a rule: plan fails the same way)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.errors
+
+    def to_json(self) -> dict:
+        covered = sum(r is not None for r in self.ops.values())
+        return {"ops": self.ops, "counts": self.counts, "covered": covered, "total": len(self.ops),
+                "missing": [{"op": u.target, "count": u.count, "places": list(u.places)} for u in self.missing],
+                "errors": self.errors}
+
+
+def coverage(program: Program) -> Coverage:
+    """Run the chain `plan` runs (`prepare`, then every op's rule as `propagate.program_rules` builds it)
+    and report instead of raising."""
+    from partir_torch.rules.base import rule_for
+
+    ready = prepare(program, fallback=True)
+    left = uncovered(ready)
+    missing_after = {u.target for u in left}
+    counts = dict(sorted(program.op_counts().items()))
+    ops: dict[str, str | None] = {}
+    for t in counts:
+        name = rule_name(t)
+        ops[t] = name if name else (None if t in missing_after else "decomposed")
+    errors = []
+    for op in ready.ops:
+        if op.target in missing_after:
+            continue
+        try:
+            rule_for(op, ready)
+        except Exception as e:
+            errors.append(f"{op.target} (op {op.id}, {where(op)}): rule {rule_name(op.target)} raised {e!r}")
+    return Coverage(ops, counts, left, errors)

@@ -22,7 +22,7 @@ def scan(op: Op, program: Program) -> OpRule:
     return _along(op, program, [int(named_arg(op, "dim"))], "scan")
 
 
-@register("aten.sort.default", "aten.sort.stable")
+@register("aten.sort.default", "aten.sort.stable", "aten.kthvalue.default")
 def sort(op: Op, program: Program) -> OpRule:
     return _along(op, program, [int(named_arg(op, "dim", -1))], "sort")
 

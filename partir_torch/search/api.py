@@ -164,7 +164,7 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
            hardware: str | Hardware = "cpu-virtual", memory: float | None = None, dcn_axes=(), seed: int = 0,
            budget: str | int | Budget | None = None, goal: str = "time", algorithm: str = "mcts",
            fold: bool = True, progress: bool = False, require_fit: bool = True, prune: bool = True,
-           goals: bool = True):
+           goals: bool = True, fallback: bool = False):
     """Find a sharding plan for one training step of `model` on `mesh` (`{"batch": 2, "model": 4}`,
     `"batch=2,model=4"` or a `Mesh`) and return it as a `ShardingPlan` (specs, cost report, statistics).
 
@@ -172,11 +172,13 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     manual tactics and search. `memory` (bytes) overrides the preset's device memory. With `require_fit`
     an `InfeasibleError` reports the best plan when none fits. `prune=False` / `goals=False` are the
     ablations of `SearchConfig` (no propagation-based pruning of actions / no per-axis goals).
+    `fallback=True` (or a `fallback` entry in the schedule text) runs ops without a tile-mapping rule
+    replicated, with one warning per op naming it, its module and the communication it adds.
     """
     from partir_torch.capture import capture
     from partir_torch.ir.mesh import Mesh
     from partir_torch.plan import ShardingPlan
-    from partir_torch.tactics import apply_schedule, parse_schedule
+    from partir_torch.tactics import apply_schedule, parse_schedule, wants_fallback
 
     if isinstance(mesh, dict):
         mesh = Mesh.of(mesh)
@@ -187,7 +189,7 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     config = SearchConfig(hw, frozenset(dcn_axes), memory, seed, Budget.parse(budget), algorithm, progress,
                           prune=prune, goals=goals)
     program = capture(model, example_inputs, loss_fn, optimizer, fold=fold)
-    state = apply_schedule(program, mesh, tactics, search=config)
+    state = apply_schedule(program, mesh, tactics, search=config, fallback=fallback or wants_fallback(schedule))
     from partir_torch.cost.model import evaluate
 
     report = evaluate(state, hw, dcn_axes=config.dcn_axes, memory_limit=memory)

@@ -154,7 +154,7 @@ def test_rnn(data):
 def test_scan_sort_flip(data):
     def f(s, x):
         h = x @ s.w
-        v, i = torch.sort(h, dim=1)
+        v, _ = torch.sort(h, dim=1)
         t, _ = torch.topk(h, 2, dim=0)
         return v + h.cumsum(1) + h.cumprod(0) + h.flip(1) + h.argsort(1).float() + t.sum(0)
     check(Lambda(f, w=r(8, 8)), (r(4, 8),), data)
