@@ -134,11 +134,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(args.seed)
     states = {}
     for n, p in params.items():
+        # optimizer states in the parameter's dtype (what torch.optim keeps; a bf16 model has bf16 states)
         if args.optimizer == "sgd":
-            states[n] = {"momentum_buffer": torch.randn(p.shape, generator=g) * 0.01}
+            states[n] = {"momentum_buffer": (torch.randn(p.shape, generator=g) * 0.01).to(p.dtype)}
         else:
-            states[n] = {"exp_avg": torch.randn(p.shape, generator=g) * 0.01,
-                         "exp_avg_sq": torch.rand(p.shape, generator=g) * 0.01, "step": torch.tensor(3.0)}
+            states[n] = {"exp_avg": (torch.randn(p.shape, generator=g) * 0.01).to(p.dtype),
+                         "exp_avg_sq": (torch.rand(p.shape, generator=g) * 0.01).to(p.dtype), "step": torch.tensor(3.0)}
     program = state.program  # ops without rules may have been decomposed
     res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
     groups = {"loss": [], "gradients": [], "parameters": [], "optimizer_state": [], "buffers": []}

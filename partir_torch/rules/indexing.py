@@ -167,6 +167,15 @@ def new_fill(op: Op, program: Program) -> OpRule:
 
 
 @register("aten.upsample_nearest2d_backward.default", "aten.upsample_nearest2d.default",
+          "aten.upsample_bilinear2d.default", "aten.upsample_bilinear2d_backward.default",
+          "aten.upsample_nearest2d.vec", "aten.upsample_bilinear2d.vec", "aten.upsample_nearest1d.default",
+          "aten.upsample_nearest1d_backward.default", "aten.upsample_linear1d.default",
+          "aten.upsample_linear1d_backward.default", "aten.upsample_nearest3d.default",
+          "aten.upsample_nearest3d_backward.default", "aten.upsample_bicubic2d.default",
+          "aten.upsample_bicubic2d_backward.default", "aten._adaptive_avg_pool2d.default",
+          "aten._adaptive_avg_pool2d_backward.default", "aten.adaptive_max_pool2d.default",
+          "aten.adaptive_max_pool2d_backward.default", "aten.max_pool1d_with_indices.default",
+          "aten.avg_pool1d.default",
           "aten.max_pool2d_with_indices.default", "aten.max_pool2d_with_indices_backward.default",
           "aten.avg_pool2d.default", "aten.avg_pool2d_backward.default")
 def spatial(op: Op, program: Program) -> OpRule:

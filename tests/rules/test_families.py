@@ -219,3 +219,18 @@ def test_stack_unbind_pad_repeat_and_writes(data):
         z = h.masked_scatter(h > 0, b * 3)
         return a + p + y + z + h.repeat(1, 2)[:, :8]
     check(Lambda(f, w=r(8, 8)), (r(4, 8),), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_resampling_and_adaptive_pooling(data):
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            h = self.conv(x)
+            up = F.interpolate(h, scale_factor=2, mode="bilinear", align_corners=False)
+            return F.adaptive_avg_pool2d(up, 1).flatten(1) + F.adaptive_max_pool2d(h, 2).sum((2, 3))
+    check(M(), (r(4, 4, 4, 4),), data)
