@@ -108,6 +108,19 @@ def _timm(name: str, px: int = 32, **kw) -> Callable[[], Workload]:
     return make
 
 
+def _timm_class(path: str, px: int = 32, **kw) -> Callable[[], Workload]:
+    """A timm architecture class built directly, where no registered variant is small."""
+
+    def make() -> Workload:
+        import importlib
+
+        mod, cls = path.rsplit(".", 1)
+        model = getattr(importlib.import_module(f"timm.models.{mod}"), cls)(num_classes=10, **kw)
+        return model, (torch.randn(B, 3, px, px), torch.randint(0, 10, (B,))), _ce
+
+    return make
+
+
 def _tvm():
     import torchvision
 
@@ -236,7 +249,7 @@ BUILDERS: dict[str, Callable[[], Workload]] = {
     "timm-vit_tiny": _timm("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2),
     "timm-convnext_atto": _timm("convnext_atto"),
     "timm-resnet10t": _timm("resnet10t"),
-    "timm-mixer": _timm("mixer_s16_224", img_size=32, num_blocks=2),
+    "timm-mixer": _timm_class("mlp_mixer.MlpMixer", img_size=32, patch_size=8, num_blocks=2, embed_dim=H),
     "timm-mobilenetv3": _timm("mobilenetv3_small_050"),
     "timm-efficientvit": _timm("efficientvit_b0"),
 }
