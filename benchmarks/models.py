@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST = ROOT / "tests" / "models" / "test_sweep.py"
+sys.path.insert(0, str(ROOT))  # this checkout's partir_torch, also in the workers
 
 
 def one(name: str, budget: int) -> dict:
@@ -100,7 +101,6 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args.one, args.budget)))
         return
-    sys.path.insert(0, str(ROOT))
     from partir_torch.models.thirdparty import NAMES
 
     names = args.names or NAMES
@@ -118,11 +118,11 @@ def main() -> None:
         results.append(r)
         print(f"{name:26s} {r['stage']:9s} {(r.get('error') or '')[:90]}", flush=True)
     total = time.perf_counter() - t0
-    (ROOT / "benchmarks" / "results").mkdir(exist_ok=True)
-    meta = {"budget": args.budget, "python": platform.python_version(), "total_s": total}
-    with open(ROOT / "benchmarks" / "results" / "models.json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    if not args.names:
+    if not args.names:  # a full run: the results, the table and the known failures
+        (ROOT / "benchmarks" / "results").mkdir(exist_ok=True)
+        meta = {"budget": args.budget, "python": platform.python_version(), "total_s": total}
+        with open(ROOT / "benchmarks" / "results" / "models.json", "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
         (ROOT / "docs" / "models.md").write_text(table(results, args.budget))
         if not args.no_write_known:
             write_known(results)

@@ -131,3 +131,25 @@ def test_cli_plan_fallback(tmp_path, capsys):
         assert main([*argv, "--fallback"]) == 0
     assert main(["coverage", f"{f}:make", "--json"]) == 1
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["missing"][0]["op"] == "aten._cdist_backward.default"
+
+
+def test_search_fallback_warns_per_op_and_plans():
+    from partir_torch.search import search
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return torch.cdist(h, h)
+
+    torch.manual_seed(0)
+    args = (M(), (torch.randn(4, 8),), {"batch": 2})
+    kw = {"loss_fn": lambda m, x: m(x).sum(), "schedule": "batch:BatchParallel", "budget": 5}
+    with pytest.raises(PartirError, match=r"(?s)aten\._cdist_forward\.default.*fallback=True"):
+        search(*args, **kw)
+    with pytest.warns(UserWarning, match=r"no tile-mapping rule for aten\._cdist_forward\.default .*all-gather"):
+        plan = search(*args, **kw, fallback=True)
+    assert plan.to_json()["inputs"]
