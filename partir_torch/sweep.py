@@ -10,6 +10,7 @@ table (`docs/models.md`, `benchmarks/results/models.json`) and regenerates the t
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -195,12 +196,33 @@ def _fp64_rel_diff(state, model, inputs, loss_fn, mesh: str, seed: int) -> float
     in64 = tuple(x.double() if x.is_floating_point() else x for x in inputs)
     p64 = prepare(_capture(m64, in64, loss_fn, []), fallback=True)
     p32 = state.program
-    if [(o.target, o.outputs) for o in p64.ops] != [(o.target, o.outputs) for o in p32.ops] or [
-            v.shape for v in p64.values] != [v.shape for v in p32.values]:
-        return None
-    st64 = state.copy()
-    st64.program = p64  # same ops and value ids: the shardings and rules carry over
+    if [(o.target, o.outputs) for o in p64.ops] == [(o.target, o.outputs) for o in p32.ops] and [
+            v.shape for v in p64.values] == [v.shape for v in p32.values]:
+        st64 = state.copy()
+        st64.program = p64  # same ops and value ids: the shardings and rules carry over
+    else:  # fp64 adds or drops casts: replay the plan's actions by name, and check it is the same plan
+        st64 = _replay(state, p64)
+        if st64 is None:
+            return None
     params = {n: q.detach() for n, q in m64.named_parameters()}
     states = {n: {k: v.double() for k, v in st.items()} for n, st in _opt_states(params, seed).items()}
     torch.manual_seed(seed + 1)
     return simulate(p64, st64, params, dict(m64.named_buffers()), in64, states).max_rel_diff
+
+
+def _replay(state, program):
+    """`state`'s actions applied to `program` (the same step in another dtype); None unless every value
+    both programs name alike ends up with the same sharding."""
+    from partir_torch.ir import Replicate, Tile
+    from partir_torch.propagate import ShardingState
+
+    new = ShardingState(program, state.mesh)
+    for a in state.actions:
+        if isinstance(a, Tile | Replicate):
+            new.try_apply(a)
+        else:
+            with contextlib.suppress(PartirError):  # a move the replay already made (its tiles came first)
+                a.apply(new)
+    ours = {v.name: state.shard[v.id] for v in state.program.values}
+    same = all(ours[v.name] == new.shard[v.id] for v in program.values if v.name in ours)
+    return new if same else None
