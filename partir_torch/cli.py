@@ -31,7 +31,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
     optimizer = None if args.optimizer == "none" else args.optimizer
-    program = capture(model, inputs, loss_fn, optimizer, mode="inference" if args.inference else "train")
+    program = capture(model, inputs, loss_fn, optimizer, mode="inference" if args.inference else "train",
+                      assume_compiling=args.assume_compiling)
     summary = program.summary()
     summary["model"] = args.model
     if args.json:
@@ -84,7 +85,8 @@ def cmd_coverage(args: argparse.Namespace) -> int:
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
     optimizer = None if args.optimizer == "none" else args.optimizer
     program = capture(model, inputs, loss_fn if not args.inference else None, optimizer,
-                      mode="inference" if args.inference else "train", fold=not args.no_fold)
+                      mode="inference" if args.inference else "train", fold=not args.no_fold,
+                      assume_compiling=args.assume_compiling)
     cov = coverage(program)
     if args.json:
         json.dump({"model": args.model, **cov.to_json()}, sys.stdout)
@@ -127,7 +129,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config), device="cpu")
     if any(p.is_meta for p in model.parameters()):
         raise PartirError(f"{args.model} was built on meta; the simulator needs real weights")
-    program = capture(model, inputs, loss_fn, args.optimizer)
+    program = capture(model, inputs, loss_fn, args.optimizer, assume_compiling=args.assume_compiling)
     mesh = Mesh.parse(args.mesh)
     state = apply_schedule(program, mesh, args.schedule, fallback=args.fallback)
     params = {n: p.detach() for n, p in model.named_parameters()}
@@ -226,7 +228,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = SearchConfig(hw, dcn, limit, args.seed, Budget.parse(args.budget), args.algorithm,
                           progress=not args.json and sys.stderr.isatty())
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
-    program = capture(model, inputs, loss_fn, args.optimizer, fold=not args.no_fold)
+    program = capture(model, inputs, loss_fn, args.optimizer, fold=not args.no_fold,
+                      assume_compiling=args.assume_compiling)
     state = apply_schedule(program, mesh, tactics, search=config, fallback=args.fallback or wants_fallback(args.schedule))
     report = evaluate(state, hw, dcn_axes=dcn, memory_limit=limit)
     plan = ShardingPlan.from_state(state, report, schedule=args.schedule, hardware=hw.name, dcn_axes=dcn,
@@ -342,6 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("b")
     df.add_argument("--json", action="store_true")
     df.set_defaults(fn=cmd_diff)
+
+    for sp in (c, cv, sm, pl):
+        sp.add_argument("--assume-compiling", action="store_true",
+                        help="capture with torch.compiler.is_compiling() true, so libraries skip data-dependent "
+                             "checks they skip under torch.compile (HF transformers' SDPA attention-mask check)")
 
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=cmd_models)
