@@ -234,3 +234,14 @@ def test_resampling_and_adaptive_pooling(data):
             up = F.interpolate(h, scale_factor=2, mode="bilinear", align_corners=False)
             return F.adaptive_avg_pool2d(up, 1).flatten(1) + F.adaptive_max_pool2d(h, 2).sum((2, 3))
     check(M(), (r(4, 4, 4, 4),), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_batchnorm_eval(data):
+    m = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(4))
+    m(r(4, 4, 2, 2))
+    m[1].running_mean.normal_()
+    m[1].running_var.uniform_(0.5, 2.0)
+    m.eval()
+    check(m, (r(4, 4, 2, 2),), data)

@@ -92,3 +92,19 @@ def test_missing_rule_names_op_module_and_line_and_fallback_warns_with_cost():
     msgs = [str(x.message) for x in w if "aten._cdist_forward" in str(x.message)]
     assert len(msgs) == 1, msgs
     assert "module <root> (test_harness.py:" in msgs[0] and "all-gather on 'batch'" in msgs[0]
+
+
+def test_batchnorm_eval_capture_matches_eager():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).eval()
+    m[1].running_mean.normal_()
+    m[1].running_var.uniform_(0.5, 2.0)
+    x = torch.randn(4, 3, 2, 2)
+    p = capture(m, (x,), lambda mod, t: mod(t).square().mean(), "sgd")
+    out = p.run(dict(m.named_parameters()), dict(m.named_buffers()), (x,),
+                {n: {"momentum_buffer": torch.zeros_like(q)} for n, q in m.named_parameters()})
+    loss = m(x).square().mean()
+    loss.backward()
+    assert out[p.loss].item() == pytest.approx(loss.item(), abs=1e-6)
+    for n, q in m.named_parameters():
+        torch.testing.assert_close(out[p.value(f"grad[{n}]").id], q.grad, atol=1e-6, rtol=1e-5)
