@@ -11,8 +11,9 @@ factor (a broadcast or a size-1 dim). The lookup chain (`lookup`): an explicit r
 else a rule keyed by one of the op's torch tags (every op torch tags `pointwise` gets the broadcasting
 elementwise rule: `fmod`, `signbit`, `logical_and`, `bitwise_*`, … need no entry of their own); else a
 decomposition into ops that have rules (`rules.decompose.prepare`, run before propagation); else the opt-in
-replicate fallback (warns once per op, naming the op, its module and source line); else `MissingRuleError`
-naming the same and how to add a rule.
+replicate fallback (`replicated_rule`; `tactics.warn_fallbacks` warns once per op with its module, source line
+and the communication it adds); else `MissingRuleError` naming the op, module and source line and how to add a
+rule. Tags need `torch.ops` to resolve an op's name, the one use of torch beyond `ir` here.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def registered() -> dict[str, str]:
 
 def where(op: Op) -> str:
     """`module h.0.attn (modeling_gpt2.py:123)`: where the op came from, for messages."""
-    src = f" ({op.source})" if getattr(op, "source", None) else ""
+    src = f" ({op.source})" if op.source else ""
     return f"module {op.module or '<root>'}{src}" if op.module is not None or src else "module ? (no attribution)"
 
 
