@@ -29,7 +29,8 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
     optimizer = None if args.optimizer == "none" else args.optimizer
-    program = capture(model, inputs, loss_fn, optimizer, mode="inference" if args.inference else "train")
+    program = capture(model, inputs, loss_fn, optimizer, mode="inference" if args.inference else "train",
+                      assume_compiling=args.assume_compiling)
     summary = program.summary()
     summary["model"] = args.model
     if args.json:
@@ -74,33 +75,41 @@ def _print_capture(s: dict[str, Any], top: int) -> None:
 
 
 def cmd_coverage(args: argparse.Namespace) -> int:
+    """The decomposition and rule lookup `plan` runs, reported: every op that would fail or fall back."""
     from partir_torch import workload
     from partir_torch.capture import capture
-    from partir_torch.rules import rule_name
+    from partir_torch.rules.decompose import coverage
 
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
-    program = capture(model, inputs, loss_fn, None if args.optimizer == "none" else args.optimizer)
-    from torch._decomp import get_decompositions
-
-    counts = program.op_counts()
-    overloads = {op.target: op.overload for op in program.ops}
-    ops = {t: rule_name(t) or ("decomposed" if get_decompositions([overloads[t]]) else None) for t in sorted(counts)}
-    missing = [t for t, r in ops.items() if r is None]
+    optimizer = None if args.optimizer == "none" else args.optimizer
+    program = capture(model, inputs, loss_fn if not args.inference else None, optimizer,
+                      mode="inference" if args.inference else "train", fold=not args.no_fold,
+                      assume_compiling=args.assume_compiling)
+    cov = coverage(program)
     if args.json:
-        json.dump({"model": args.model, "ops": ops, "counts": dict(counts), "missing": missing,
-                   "covered": len(ops) - len(missing), "total": len(ops)}, sys.stdout)
+        json.dump({"model": args.model, **cov.to_json()}, sys.stdout)
         sys.stdout.write("\n")
-        return 0
+        return 0 if cov.ok else 1
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title=f"{args.model}: rule coverage of the training step ({len(ops) - len(missing)}/{len(ops)} aten ops)")
+    n_ok = sum(r is not None for r in cov.ops.values())
+    t = Table(title=f"{args.model}: rule coverage of the step plan runs ({n_ok}/{len(cov.ops)} aten ops)")
     for c in ("aten op", "count", "rule"):
         t.add_column(c, justify="right" if c == "count" else "left")
-    for op, r in ops.items():
-        t.add_row(op, str(counts[op]), r or "[red]missing[/]")
-    Console(width=120).print(t)
-    return 0
+    for op, r in cov.ops.items():
+        t.add_row(op, str(cov.counts[op]), r or "[red]missing[/]")
+    con = Console(width=120)
+    con.print(t)
+    for u in cov.missing:
+        con.print(f"[red]no rule after decomposition:[/] {escape(str(u))}")
+    for e in cov.errors:
+        con.print(f"[red]rule error:[/] {escape(e)}")
+    if not cov.ok:
+        con.print("plan fails on these; add rules (partir_torch/rules/<family>.py), or pass --fallback to run them "
+                  "replicated")
+    return 0 if cov.ok else 1
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -118,18 +127,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config), device="cpu")
     if any(p.is_meta for p in model.parameters()):
         raise PartirError(f"{args.model} was built on meta; the simulator needs real weights")
-    program = capture(model, inputs, loss_fn, args.optimizer)
+    program = capture(model, inputs, loss_fn, args.optimizer, assume_compiling=args.assume_compiling)
     mesh = Mesh.parse(args.mesh)
-    state = apply_schedule(program, mesh, args.schedule)
+    state = apply_schedule(program, mesh, args.schedule, fallback=args.fallback)
     params = {n: p.detach() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(args.seed)
     states = {}
     for n, p in params.items():
+        # optimizer states in the parameter's dtype (what torch.optim keeps; a bf16 model has bf16 states)
         if args.optimizer == "sgd":
-            states[n] = {"momentum_buffer": torch.randn(p.shape, generator=g) * 0.01}
+            states[n] = {"momentum_buffer": (torch.randn(p.shape, generator=g) * 0.01).to(p.dtype)}
         else:
-            states[n] = {"exp_avg": torch.randn(p.shape, generator=g) * 0.01,
-                         "exp_avg_sq": torch.rand(p.shape, generator=g) * 0.01, "step": torch.tensor(3.0)}
+            states[n] = {"exp_avg": (torch.randn(p.shape, generator=g) * 0.01).to(p.dtype),
+                         "exp_avg_sq": (torch.rand(p.shape, generator=g) * 0.01).to(p.dtype), "step": torch.tensor(3.0)}
     program = state.program  # ops without rules may have been decomposed
     res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
     groups = {"loss": [], "gradients": [], "parameters": [], "optimizer_state": [], "buffers": []}
@@ -194,7 +204,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from partir_torch.plan import ShardingPlan
     from partir_torch.search import Budget, SearchConfig
     from partir_torch.search.api import InfeasibleError, infeasible_message, summarize_log
-    from partir_torch.tactics import apply_schedule, parse_schedule
+    from partir_torch.tactics import apply_schedule, parse_schedule, wants_fallback
 
     mesh, dcn = parse_mesh(args.mesh)
     hw = hardware(args.hardware)
@@ -203,8 +213,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = SearchConfig(hw, dcn, limit, args.seed, Budget.parse(args.budget), args.algorithm,
                           progress=not args.json and sys.stderr.isatty())
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
-    program = capture(model, inputs, loss_fn, args.optimizer, fold=not args.no_fold)
-    state = apply_schedule(program, mesh, tactics, search=config)
+    program = capture(model, inputs, loss_fn, args.optimizer, fold=not args.no_fold,
+                      assume_compiling=args.assume_compiling)
+    state = apply_schedule(program, mesh, tactics, search=config, fallback=args.fallback or wants_fallback(args.schedule))
     report = evaluate(state, hw, dcn_axes=dcn, memory_limit=limit)
     plan = ShardingPlan.from_state(state, report, schedule=args.schedule, hardware=hw.name, dcn_axes=dcn,
                                    search=summarize_log(config.log))
@@ -316,6 +327,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(report.table())
     return 0
 
+_FALLBACK_HELP = ("run ops without a tile-mapping rule replicated (one warning per op with its module and the "
+                  "communication it adds) instead of stopping; `partir-torch coverage` lists them")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="partir-torch", description="Automatic SPMD partitioning for PyTorch.")
@@ -334,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("model")
     cv.add_argument("--config", action="append", metavar="KEY=VALUE")
     cv.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    cv.add_argument("--inference", action="store_true", help="the forward pass only")
+    cv.add_argument("--no-fold", action="store_true", help="capture every repeated layer (as plan --no-fold)")
     cv.add_argument("--json", action="store_true")
     cv.set_defaults(fn=cmd_coverage)
 
@@ -344,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--schedule", required=True, help='e.g. "batch:BatchParallel;model:Megatron;batch:ZeRO(1)"')
     sm.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
     sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--fallback", action="store_true", help=_FALLBACK_HELP)
     sm.add_argument("--json", action="store_true")
     sm.set_defaults(fn=cmd_simulate)
 
@@ -360,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--budget", default="20s", help="search budget: seconds (30s, 2m) or episodes (500)")
     pl.add_argument("--algorithm", default="mcts", choices=["mcts", "random", "greedy", "beam", "exhaustive"])
     pl.add_argument("--no-fold", action="store_true", help="capture every repeated layer (slower; same costs)")
+    pl.add_argument("--fallback", action="store_true", help=_FALLBACK_HELP)
     pl.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
     pl.add_argument("--out", help="write the plan JSON here")
     pl.add_argument("--json", action="store_true", help="print the plan JSON")
@@ -401,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--numerics", action="store_true", help="also run unsharded and report max |difference|")
     vf.add_argument("--json", action="store_true")
     vf.set_defaults(fn=cmd_verify)
+
+    for sp in (c, cv, sm, pl):
+        sp.add_argument("--assume-compiling", action="store_true",
+                        help="capture with torch.compiler.is_compiling() true, so libraries skip data-dependent "
+                             "checks they skip under torch.compile (HF transformers' SDPA attention-mask check)")
 
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=cmd_models)

@@ -6,6 +6,11 @@ layout its factor assignment needs; the collectives between layouts are emulated
 global tensor from the locals, cut the new locals). Shape arguments (view sizes, creation sizes) are
 localized from the result's local shape. The result — loss, gradients, updated parameters and states — is
 compared with the unsharded `Program.run`. Replicated values are checked to be equal on every device.
+
+Random ops (torch tag `nondeterministic_seeded`: dropout's `bernoulli`, `rand_like`) model a per-device
+stream indexed by the global element (`rules/random.py`): the simulator restores the generator state the
+unsharded run started from, draws each random tensor whole, in program order, and gives every device its
+tile, so a sharded dropout mask is the unsharded one.
 """
 
 from __future__ import annotations
@@ -22,13 +27,22 @@ from partir_torch.ir.program import Program, Ref
 from partir_torch.ir.sharding import Sharding
 from partir_torch.lower import Collective, lower, required_operand, transitions
 from partir_torch.propagate import ShardingState
+from partir_torch.rules.base import op_tags
+from partir_torch.rules.random import SEEDED_TAG
 
+SPLITS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.unsafe_split.Tensor",
+          "aten.unsafe_split_with_sizes.default")
 # (aten target, argument index) whose value is the local shape of result 0
 _SHAPE_ARG = {
     "aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.reshape.default": 1, "aten.expand.default": 1,
     "aten.zeros.default": 0, "aten.ones.default": 0, "aten.full.default": 0, "aten.empty.memory_format": 0,
     "aten.select_backward.default": 1, "aten.upsample_nearest2d_backward.default": 2,
-    "aten.slice_backward.default": 1,
+    "aten.upsample_bilinear2d_backward.default": 2, "aten.upsample_nearest1d_backward.default": 2,
+    "aten.upsample_linear1d_backward.default": 2, "aten.upsample_nearest3d_backward.default": 2,
+    "aten.upsample_bicubic2d_backward.default": 2,
+    "aten.slice_backward.default": 1, "aten.new_zeros.default": 1, "aten.new_ones.default": 1,
+    "aten.new_empty.default": 1, "aten.new_full.default": 1, "aten.new_empty_strided.default": 1, "aten.rand.default": 0, "aten.randn.default": 0,
+    "aten.view_copy.default": 1, "aten.expand_copy.default": 1,
 }
 
 
@@ -99,7 +113,9 @@ def simulate(
     inputs: Sequence[torch.Tensor],
     opt_states: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> SimResult:
+    rng = torch.get_rng_state()
     ref = program.run(params, buffers, inputs, opt_states)
+    torch.set_rng_state(rng)  # random ops below draw what the unsharded run drew
     m = _Mesh(state.mesh)
     env: dict[int, list[torch.Tensor]] = {}
     layout: dict[int, Sharding] = {}
@@ -115,7 +131,8 @@ def simulate(
         for kind, _, _ in transitions(src, dst, val.shape, val.dtype.itemsize, state.mesh):
             executed[kind] = executed.get(kind, 0) + 1
         g, mm = m.gather(env[v], src, val.shape, val.dtype)
-        mismatch = max(mismatch, mm)
+        if not _uninitialized(program, v):  # `empty` memory differs per device until it is written
+            mismatch = max(mismatch, mm)
         return m.scatter(g, dst)
 
     # program inputs
@@ -141,8 +158,18 @@ def simulate(
 
     for op in program.ops:
         rule = state.rules[op.id]
-        operands = [convert(t.value, required_operand(state, op.id, i)) for i, t in enumerate(rule.operands)]
         results = [o for o in op.outputs if o >= 0]
+        if SEEDED_TAG in op_tags(op.target):  # drawn whole from the global stream, each device keeps its tile
+            it = iter(m.gather(env[t.value], layout[t.value], program.values[t.value].shape,
+                               program.values[t.value].dtype)[0] for t in rule.operands)
+            out = op.overload(*_subst(op.args, it), **{k: _subst(a, it) for k, a in op.kwargs})
+            outs = [t for o_id, t in zip(op.outputs, out if isinstance(out, (tuple, list)) else [out]) if o_id >= 0]
+            for r, (v, t) in enumerate(zip(results, outs)):
+                env[v], layout[v] = m.scatter(t, state.op_output(op.id, r)), state.op_output(op.id, r)
+                env[v] = convert(v, state.shard[v])
+                layout[v] = state.shard[v]
+            continue
+        operands = [convert(t.value, required_operand(state, op.id, i)) for i, t in enumerate(rule.operands)]
         out_locals: list[list[torch.Tensor]] = [[] for _ in results]
         contiguous = op.target in ("aten.view.default", "aten._unsafe_view.default")
         for d in range(len(m.coords)):
@@ -184,6 +211,11 @@ def simulate(
     return SimResult(max(diffs.values(), default=0.0), diffs, rel, mismatch, lower(state), executed)
 
 
+def _uninitialized(program: Program, v: int) -> bool:
+    p = program.values[v].producer
+    return p >= 0 and "empty" in program.ops[p].target
+
+
 def _subst(a: Any, it) -> Any:
     if isinstance(a, Ref):
         return next(it)
@@ -197,12 +229,12 @@ def _subst(a: Any, it) -> Any:
 def _localize(target: str, args: tuple, state: ShardingState, o: int, results: list[int]) -> tuple:
     """Non-shape size arguments that depend on a tiled dim."""
     prog, mesh = state.program, state.mesh
-    if target in ("aten.split.Tensor", "aten.split_with_sizes.default"):  # equal parts of the local chunks
+    if target in SPLITS:  # equal parts of the local chunks
         x = state.rules[o].operands[0]
         if x.chunks:
             d, n = x.chunks[0]
             local = required_operand(state, o, 0).local_shape(prog.values[x.value].shape, mesh)[d] // n
-            return (args[0], local if target == "aten.split.Tensor" else [local] * n, *args[2:])
+            return (args[0], local if target.endswith(".Tensor") else [local] * n, *args[2:])
     if target == "aten.native_group_norm.default":
         n = state.op_output(o, 0).local_shape(prog.values[results[0]].shape, mesh)[0]
         return (*args[:3], n, *args[4:])

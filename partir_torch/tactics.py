@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,9 +39,14 @@ class ScheduleError(PartirError):
 class BatchParallel:
     axis: str
 
-    def apply(self, state: ShardingState) -> None:
+    def apply(self, state: ShardingState) -> list[str]:
+        """Tile dim 0 of every input; returns why inputs stayed replicated (for `apply_schedule`'s warning)."""
+        blocked = []
         for v in state.program.inputs:
-            state.try_apply(Tile(state.program.values[v].name, 0, self.axis))
+            val = state.program.values[v]
+            if val.shape and not state.try_apply(Tile(val.name, 0, self.axis)) and self.axis not in state.shard[v].axes:
+                blocked.append(_why(state, v, 0, self.axis))
+        return blocked
 
 
 _LINEAR = {"aten.mm.default": (0, 1), "aten.addmm.default": (1, 2)}  # (lhs, rhs) operand positions
@@ -105,13 +111,34 @@ def megatron_pairs(program: Program, rules) -> list[tuple[int, int]]:
 class Megatron:
     axis: str
 
-    def apply(self, state: ShardingState) -> None:
+    def apply(self, state: ShardingState) -> list[str]:
         p, lin = state.program, linears(state.program, state.rules)
-        for col, row in megatron_pairs(p, state.rules):
+        pairs = megatron_pairs(p, state.rules)
+        if not pairs:
+            return [f"no column/row pair of linears was found ({len(lin)} forward linears; a pair is a linear whose "
+                    "output feeds another's input without a normalization or reduction between them)"]
+        blocked = []
+        for col, row in pairs:
             w1, out1, _ = lin[col]
             w2, _, in2 = lin[row]
-            state.try_apply(Tile(p.values[w1].name, out1, self.axis))
-            state.try_apply(Tile(p.values[w2].name, in2, self.axis))
+            for w, d in ((w1, out1), (w2, in2)):
+                if not state.try_apply(Tile(p.values[w].name, d, self.axis)) and self.axis not in state.shard[w].axes:
+                    blocked.append(_why(state, w, d, self.axis))
+        return blocked
+
+
+def _why(state: ShardingState, v: int, d: int, axis: str) -> str:
+    """Why `v` could not be tiled on `axis` along `d`, and what would help."""
+    val, k = state.program.values[v], state.mesh.size(axis)
+    n = val.shape[d]
+    for a in state.shard[v].dims[d]:
+        k *= state.mesh.size(a)
+    if n % k:
+        return (f"{val.name} dim {d} has size {n}, not divisible by {k} (axis {axis!r}); use a size divisible by "
+                f"{k} (e.g. {n + (-n) % k}) or a smaller axis")
+    if axis in state.locked[v]:
+        return f"{val.name} is replicated on {axis!r} by an earlier tactic"
+    return f"{val.name} dim {d} conflicts with an earlier decision on {axis!r} (sharding {state.shard[v]})"
 
 
 def _free_dim(state: ShardingState, v: int, axis: str) -> int | None:
@@ -201,6 +228,8 @@ def parse_schedule(text: str, mesh: Mesh) -> list[Tactic]:
     """`"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` -> tactics; axes are checked against the mesh."""
     out: list[Tactic] = []
     for part in filter(None, (s.strip() for s in text.split(";"))):
+        if part.lower() == "fallback":  # an option of the schedule, not a tactic (`wants_fallback`)
+            continue
         auto = re.fullmatch(r"([\w,+*]+)\s*:\s*auto\s*(?:\(\s*(\w+)?\s*(?:,\s*(\w+)\s*)?\))?", part, re.I)
         if auto:
             from partir_torch.search.api import Auto
@@ -254,6 +283,42 @@ def _check_reuse(tactics: list, mesh: Mesh, text: str) -> None:
         seen.add(key)
 
 
+def wants_fallback(schedule: str | list | None) -> bool:
+    """A schedule text with a `fallback` entry (`"fallback;batch:BatchParallel"`) runs ops without rules
+    replicated, as `fallback=True` does."""
+    return isinstance(schedule, str) and any(p.strip().lower() == "fallback" for p in schedule.split(";"))
+
+
+def warn_fallbacks(state: ShardingState) -> list[str]:
+    """One warning per op without a rule (run replicated): the op, its module and source line, and the
+    collectives its replicated operands add to the plan. Returns the messages."""
+    from partir_torch.lower import lower
+    from partir_torch.rules.base import rule_name, where
+
+    p = state.program
+    fell = {op.id for op in p.ops if rule_name(op.target) is None}
+    if not fell:
+        return []
+    added: dict[int, list] = {}
+    for c in lower(state):
+        if c.op in fell:
+            added.setdefault(c.op, []).append(c)
+    by: dict[tuple[str, str], list[int]] = {}
+    for o in sorted(fell):
+        by.setdefault((p.ops[o].target, where(p.ops[o])), []).append(o)
+    msgs = []
+    for (target, place), ops in by.items():
+        cs = [c for o in ops for c in added.get(o, [])]
+        kinds = sorted({f"{c.kind} on {c.axis!r}" for c in cs})
+        cost = (f"adds {len(cs)} collective(s), {sum(c.bytes for c in cs)} bytes per device ({', '.join(kinds)})"
+                if cs else "adds no communication under this plan (its operands are replicated already)")
+        msgs.append(f"no tile-mapping rule for {target} ({len(ops)} op(s), {place}): it runs replicated "
+                    f"(fallback) and {cost}; add a rule in partir_torch/rules/<family>.py to shard it")
+    for m in msgs:
+        warnings.warn(m, stacklevel=3)
+    return msgs
+
+
 def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallback: bool = False,
                    search=None) -> ShardingState:
     """Apply a schedule to a fresh state. Ops without rules are decomposed first (`state.program` may then
@@ -262,14 +327,24 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
     from partir_torch.rules.decompose import prepare
     from partir_torch.search.api import Auto
 
+    fallback = fallback or wants_fallback(schedule)
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else schedule
     state = ShardingState(prepare(program, fallback=fallback), mesh, fallback=fallback)
     for t in tactics:
+        before = list(state.shard)
         try:
             if isinstance(t, Auto):
                 t.apply(state, search)
-            else:
-                t.apply(state)
+                continue
+            blocked = t.apply(state) or []
         except IllegalActionError as e:
             raise ScheduleError(f"{type(t).__name__} on {getattr(t, 'axis', '?')!r}: {e}") from e
+        name = f"{type(t).__name__} on {getattr(t, 'axis', '?')!r}"
+        if state.shard == before:
+            why = "; ".join(blocked[:4]) or "there is nothing for it to shard in this program"
+            warnings.warn(f"{name} changes nothing: {why}", stacklevel=2)
+        elif blocked:
+            warnings.warn(f"{name} left {len(blocked)} value(s) replicated: {'; '.join(blocked[:4])}", stacklevel=2)
+    if fallback:
+        warn_fallbacks(state)
     return state

@@ -12,6 +12,7 @@ node produced them (the autograd sequence number, as aot_autograd does).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
@@ -28,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+from partir_torch.capture.decomp import FUNCTIONAL_DECOMPS
 from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
@@ -47,17 +49,24 @@ def capture(
     *,
     mode: str | None = None,
     fold: bool = False,
+    assume_compiling: bool = False,
     _strict: bool = True,
 ) -> Program:
     """Capture `loss_fn(model, *example_inputs)`, its backward and the optimizer update as a `Program`.
 
-    `mode` is "train" (default when `loss_fn` is given) or "inference" (the forward pass `model(*inputs)`
-    only). The model and optimizer are only read: on success and on failure they are left as they were.
+    `mode` is "train" (the default; needs `loss_fn`) or "inference" (the forward pass `model(*inputs)`
+    only, never implied by a missing `loss_fn`). The model and optimizer are only read: on success and on failure they are left as they were.
     `fold=True` captures two of every N identical container elements and records N in `program.fold`
     (see `capture/fold.py`): what the search uses on deep models. A container whose cut forward cannot be
     captured (e.g. the forward indexes a block by number) is left whole, with a warning, and the others are
     still folded (`_capture_folded`); with none left, the full model is captured.
+    `assume_compiling=True` (opt-in) makes `torch.compiler.is_compiling()` true while tracing, so libraries
+    that skip data-dependent checks under torch.compile take that path (HF transformers' SDPA attention-mask
+    check `torch.all(mask == 1)`); the capture error for such a check suggests it.
     """
+    if assume_compiling:
+        with _compiling():
+            return capture(model, example_inputs, loss_fn, optimizer, mode=mode, fold=fold, _strict=_strict)
     if fold:
         program = _capture_folded(model, example_inputs, loss_fn, optimizer, mode)
         if program is not None:
@@ -72,7 +81,12 @@ def capture(
                 f"example input {i} is a {type(x).__name__}, not a tensor; pass tensors only and close over "
                 "constants in loss_fn"
             )
-    mode = mode or ("train" if loss_fn is not None else "inference")
+    if mode is None and loss_fn is None:
+        raise CaptureError(
+            "no loss_fn: a training step needs loss_fn(model, *inputs) -> scalar loss; to capture the forward pass "
+            "only, ask for it with mode='inference' (CLI --inference)"
+        )
+    mode = mode or "train"
     if mode not in ("train", "inference"):
         raise CaptureError(f"mode must be 'train' or 'inference', got {mode!r}")
     if mode == "train" and loss_fn is None:
@@ -142,14 +156,27 @@ def capture(
             new_states += [new_s[s] for s in states[n]]
         return [loss, *(grads[n] for n in trainable), *new_params, *new_states]
 
+    mkldnn = torch._C._get_mkldnn_enabled()
+    # a library may re-tie or re-assign parameters inside forward (HF T5's shared embedding): every
+    # parameter and buffer object is put back afterwards, so the model is left exactly as it was
+    saved = [(mod, kind, n, obj) for mod in model.modules() for kind in ("_parameters", "_buffers")
+             for n, obj in getattr(mod, kind).items()]
     try:
+        # mkldnn off: CPU dispatch would pick `mkldnn_rnn_layer` for nn.LSTM/GRU; the portable composite
+        # (linear + pointwise per time step) is what other devices run and what the rules cover
+        torch._C._set_mkldnn_enabled(False)
         with fx_traceback.preserve_node_meta(), tracker:
             traced = torch.func.functionalize(step, remove="mutations")
-            gm = make_fx(traced, decomposition_table=_FUNCTIONAL_DECOMPS, tracing_mode="fake")(*fakes)
+            gm = make_fx(traced, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
+                         record_stack_traces=True)(*fakes)
     except CaptureError:
         raise
     except Exception as e:  # translate torch's errors into ones that name what to change
         raise _explain(e, tracker, inputs) from e
+    finally:
+        torch._C._set_mkldnn_enabled(mkldnn)
+        for mod, kind, n, obj in saved:
+            getattr(mod, kind)[n] = obj
     _check_functional(gm)
 
     out_roles: list[tuple[Role, str, int | None]] = []  # (role, name, index of the updated flat input)
@@ -189,6 +216,17 @@ def capture(
     program.groups = _groups(model, program, spec)
     program.capture_time_s = time.perf_counter() - t0
     return program
+
+
+@contextlib.contextmanager
+def _compiling():
+    """`torch.compiler.is_compiling()` returns True inside (see `capture(assume_compiling=True)`)."""
+    orig = torch.compiler.is_compiling
+    torch.compiler.is_compiling = lambda: True
+    try:
+        yield
+    finally:
+        torch.compiler.is_compiling = orig
 
 
 # -- functional form ---------------------------------------------------------------------------------------
@@ -242,21 +280,6 @@ def _capture_folded(model, example_inputs, loss_fn, optimizer, mode) -> Program 
         fake_log.setLevel(level)
 
 
-def _bn_legit(x, weight, bias, running_mean, running_var, training, momentum, eps):
-    """BatchNorm that updates its running statistics in place, rewritten as the functional op plus copies.
-
-    Functionalization cannot see the in-place write inside `_native_batch_norm_legit` under a grad
-    transform; the `copy_`s it does see become buffer outputs (`updated[bn.running_mean]`).
-    """
-    out, mean, rstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
-        x, weight, bias, running_mean, running_var, training, momentum, eps
-    )
-    running_mean.copy_(new_mean)
-    running_var.copy_(new_var)
-    return out, mean, rstd
-
-
-_FUNCTIONAL_DECOMPS = {aten._native_batch_norm_legit.default: _bn_legit}
 
 
 def _check_functional(gm: torch.fx.GraphModule) -> None:
@@ -357,6 +380,7 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
     ops: list[Op] = []
     env: dict[torch.fx.Node, Any] = {}  # node -> value id, or tuple of value ids for multi-output ops
     fwd_module_by_seq: dict[int, str] = {}
+    fwd_source_by_seq: dict[int, str] = {}
 
     def new_value(name: str, val: Any, role: Role, producer: int) -> int:
         if not isinstance(val, torch.Tensor):
@@ -408,12 +432,19 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
         for a in node.all_input_nodes:
             v = env[a]
             inputs += [v] if isinstance(v, int) else [x for x in v if x >= 0]
-        module = (node.meta.get("custom") or {}).get("module")
+        custom = node.meta.get("custom") or {}
+        module, source = custom.get("module"), custom.get("source") or _user_line(node.meta.get("stack_trace"))
         seq = node.meta.get("seq_nr")
         if module is not None and seq is not None:
             fwd_module_by_seq.setdefault(seq, module)
         elif module is None and seq is not None:
             module = fwd_module_by_seq.get(seq)
+        if source is not None and seq is not None:
+            fwd_source_by_seq.setdefault(seq, source)
+        elif source is None and seq is not None:
+            source = fwd_source_by_seq.get(seq)
+        # kept on the node, so a re-trace that decomposes it (rules/decompose.py) attributes its parts too
+        node.meta["custom"] = {"module": module, "source": source}
         ops.append(
             Op(
                 oid,
@@ -425,6 +456,7 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
                 Phase.FORWARD,
                 module,
                 node.target,
+                source,
             )
         )
 
@@ -452,6 +484,20 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
     return program
 
 
+def _user_line(stack_trace: str | None) -> str | None:
+    """`modeling_gpt2.py:123` of the innermost frame outside torch and partir_torch in an FX stack trace."""
+    if not stack_trace:
+        return None
+    found = None
+    for line in stack_trace.splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            path, _, rest = line[6:].partition('", line ')
+            if not path.startswith(_TORCH_DIR) and not path.startswith(_OUR_DIR) and "<" not in path:
+                found = f"{os.path.basename(path)}:{rest.split(',')[0]}"
+    return found
+
+
 def _assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> None:
     """Forward = ancestors of the loss; backward = other ancestors of the gradients; the rest optimizer."""
 
@@ -471,7 +517,8 @@ def _assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> No
     for i, op in enumerate(ops):
         phase = Phase.FORWARD if i in fwd else Phase.BACKWARD if i in bwd else Phase.OPTIMIZER
         if phase is not Phase.FORWARD:
-            ops[i] = Op(op.id, op.target, op.inputs, op.outputs, op.args, op.kwargs, phase, op.module, op.overload)
+            ops[i] = Op(op.id, op.target, op.inputs, op.outputs, op.args, op.kwargs, phase, op.module, op.overload,
+                        op.source)
 
 
 def _groups(model: nn.Module, program: Program, spec: OptimizerSpec | None) -> list[Group]:
@@ -511,7 +558,7 @@ def _explain(e: Exception, tracker: _ModuleTracker, inputs: tuple[torch.Tensor, 
         return CaptureError(
             f"the model has data-dependent Python control flow or reads a tensor's value{where}: capture traces "
             "with shapes only, so a branch or `.item()` on tensor values cannot be followed. Replace it with "
-            f"torch.where / masking, or make it depend on shapes only. (torch said: {msg})"
+            f"torch.where / masking, or make it depend on shapes only.{_compile_hint(frame)} (torch said: {msg})"
         )
     if isinstance(e, UnsupportedOperatorException):
         return CaptureError(
@@ -531,7 +578,41 @@ def _explain(e: Exception, tracker: _ModuleTracker, inputs: tuple[torch.Tensor, 
             f"{msg}. It received input shapes {shapes}{'; it expects ' + expect if expect else ''}. "
             f"Example inputs given: {given}. Check that the example inputs have the shapes the model expects."
         )
-    return CaptureError(f"capture failed{in_module}{where}: {msg}. Example inputs given: {given}.")
+    return CaptureError(f"capture failed{in_module}{where}: {msg}.{_training_hint(frame)} Example inputs given: {given}.")
+
+
+EVAL_HINT = "capture the model in eval mode (model.eval(): no dropout)"
+
+
+def _near(frame: traceback.FrameSummary | None) -> str:
+    """The failing line of user code and the 3 lines before it."""
+    if frame is None:
+        return ""
+    try:
+        with open(frame.filename) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[max(0, (frame.lineno or 1) - 4): frame.lineno or 1])
+
+
+def _training_hint(frame: traceback.FrameSummary | None) -> str:
+    """A construct that only runs in training mode (LayerDrop's branch on torch.rand(), a training-only
+    autograd.Function) is avoided by the library's own eval path."""
+    if "self.training" not in _near(frame):
+        return ""
+    return f" The failing code runs only in training mode: {EVAL_HINT}, or turn the library's option off."
+
+
+def _compile_hint(frame: traceback.FrameSummary | None) -> str:
+    """When the failing check is skipped under torch.compile, say how to take that branch."""
+    near = _near(frame)
+    if not any(w in near for w in ("is_tracing", "is_compiling", "is_torchdynamo_compiling")):
+        return _training_hint(frame)
+    hf = (" For HF transformers models, attn_implementation=\"eager\" in the config also avoids the SDPA mask "
+          "check." if "transformers" in frame.filename else "")
+    return (" This library skips the check when it is compiled: capture(..., assume_compiling=True) (CLI "
+            f"--assume-compiling) takes that path.{hf}")
 
 
 _SHAPE_WORDS = ("shape", "size", "dimension", "mat1 and mat2", "expected input", "must match", "broadcast")

@@ -85,6 +85,7 @@ class Op:
     phase: Phase
     module: str | None = None
     overload: Any = field(default=None, compare=False, repr=False)
+    source: str | None = field(default=None, compare=False)  # `file.py:123` of the user code that emitted it
 
     def __str__(self) -> str:
         outs = ", ".join(f"%{o}" for o in self.outputs)

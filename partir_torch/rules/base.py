@@ -7,17 +7,23 @@ sum) when the factor is tiled — `reduced`; a factor whose tiling would change 
 normalized dim, a gathered index dim, a convolution's spatial dims) is in `replicate`.
 
 Rules are written as einsum-like specs, e.g. matmul `"mk,kn->mn"`; `_` marks a dimension that carries no
-factor (a broadcast or a size-1 dim). The lookup chain: an explicit rule (`rule_for`); else a decomposition
-into ops that have rules (`rules.decompose.prepare`, run before propagation); else the opt-in replicate
-fallback (warns and names the op); else `MissingRuleError` naming the op and how to add a rule.
+factor (a broadcast or a size-1 dim). The lookup chain (`lookup`): an explicit rule keyed by the aten op;
+else a rule keyed by one of the op's torch tags (every op torch tags `pointwise` gets the broadcasting
+elementwise rule: `fmod`, `signbit`, `logical_and`, `bitwise_*`, … need no entry of their own); else a
+decomposition into ops that have rules (`rules.decompose.prepare`, run before propagation); else the opt-in
+replicate fallback (`replicated_rule`; `tactics.warn_fallbacks` warns once per op with its module, source line
+and the communication it adds); else `MissingRuleError` naming the op, module and source line and how to add a
+rule. Tags need `torch.ops` to resolve an op's name, the one use of torch beyond `ir` here.
 """
 
 from __future__ import annotations
 
-import warnings
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from partir_torch.errors import PartirError
 from partir_torch.ir.program import Op, Program, Ref
@@ -59,6 +65,7 @@ class OpRule:
 
 RuleFn = Callable[[Op, Program], OpRule]
 _RULES: dict[str, tuple[str, RuleFn]] = {}
+_TAG_RULES: dict[str, tuple[str, RuleFn]] = {}  # torch tag name (`pointwise`) -> rule
 
 
 def register(*targets: str) -> Callable[[RuleFn], RuleFn]:
@@ -74,9 +81,40 @@ def register(*targets: str) -> Callable[[RuleFn], RuleFn]:
     return deco
 
 
-def rule_name(target: str) -> str | None:
+def register_tag(*tags: str) -> Callable[[RuleFn], RuleFn]:
+    """Register a rule for every op carrying one of torch's tags (`torch.Tag.pointwise` -> "pointwise")."""
+
+    def deco(fn: RuleFn) -> RuleFn:
+        for t in tags:
+            _TAG_RULES[t] = (f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}", fn)
+        return fn
+
+    return deco
+
+
+@functools.cache
+def op_tags(target: str) -> tuple[str, ...]:
+    """The torch tags of the op named `target` (`aten.fmod.Tensor`), () if it cannot be resolved."""
+    ns, _, rest = target.partition(".")
+    name, _, overload = rest.rpartition(".")
+    try:
+        packet = getattr(getattr(torch.ops, ns), name)
+        return tuple(str(t).rsplit(".", 1)[-1] for t in getattr(packet, overload).tags)
+    except (AttributeError, RuntimeError):
+        return ()
+
+
+def lookup(target: str) -> tuple[str, RuleFn] | None:
+    """The rule of an op by name: an explicit entry, else one keyed by the op's torch tags."""
     _load()
     entry = _RULES.get(target)
+    if entry is None:
+        entry = next((_TAG_RULES[t] for t in op_tags(target) if t in _TAG_RULES), None)
+    return entry
+
+
+def rule_name(target: str) -> str | None:
+    entry = lookup(target)
     return entry[0] if entry else None
 
 
@@ -85,20 +123,22 @@ def registered() -> dict[str, str]:
     return {t: n for t, (n, _) in _RULES.items()}
 
 
+def where(op: Op) -> str:
+    """`module h.0.attn (modeling_gpt2.py:123)`: where the op came from, for messages."""
+    src = f" ({op.source})" if op.source else ""
+    return f"module {op.module or '<root>'}{src}" if op.module is not None or src else "module ? (no attribution)"
+
+
 def rule_for(op: Op, program: Program, *, fallback: bool = False) -> OpRule:
-    _load()
-    entry = _RULES.get(op.target)
+    entry = lookup(op.target)
     if entry is not None:
         return entry[1](op, program)
     if fallback:
-        warnings.warn(
-            f"no tile-mapping rule for {op.target} (op {op.id}, module {op.module}): it runs replicated, every "
-            "sharded operand is all-gathered first", stacklevel=2,
-        )
         return replicated_rule(op, program)
     raise MissingRuleError(
-        f"no tile-mapping rule for {op.target} (op {op.id}, module {op.module or '?'}); add one in "
-        f"partir_torch/rules/<family>.py with @register({op.target!r}), or pass fallback=True to run it replicated"
+        f"no tile-mapping rule for {op.target} (op {op.id}, {where(op)}); add one in "
+        f"partir_torch/rules/<family>.py with @register({op.target!r}), or pass fallback=True (CLI --fallback, "
+        "schedule text `fallback;...`) to run it replicated"
     )
 
 
@@ -119,8 +159,13 @@ def _fresh(program: Program, vids: Iterable[int], base: int) -> list[str]:
     return out
 
 
+_LOADED: list[bool] = []
+
+
 def _load() -> None:
-    if not _RULES:
+    """Import every family once (a family imported directly, e.g. by the simulator, must not stop it)."""
+    if not _LOADED:
+        _LOADED.append(True)
         from partir_torch.rules import (  # noqa: F401  (registration side effects)
             attention,
             conv,
@@ -129,7 +174,9 @@ def _load() -> None:
             matrix,
             normalization,
             pointwise,
+            random,
             reduction,
+            scan,
             view,
         )
 
@@ -222,3 +269,14 @@ def arg(op: Op, i: int, name: str | None = None, default: Any = None) -> Any:
             if k == name:
                 return a
     return default
+
+
+def named_arg(op: Op, name: str, default: Any = None) -> Any:
+    """The argument called `name` in the op's schema, positional or keyword (`dim` of `sort.stable`)."""
+    schema = getattr(op.overload, "_schema", None)
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.name == name:
+            if a.has_default_value():
+                default = a.default_value
+            return dict(op.kwargs).get(name, default) if a.kwarg_only else arg(op, i, name, default)
+    return dict(op.kwargs).get(name, default)

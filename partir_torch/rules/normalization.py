@@ -48,7 +48,7 @@ def _softmax_spec(op: Op, program: Program, n_in: int, dim_arg: int) -> tuple[st
     return ",".join([letters] * n_in) + "->" + letters, letters[d] if r else ""
 
 
-@register("aten._softmax.default", "aten._log_softmax.default")
+@register("aten._softmax.default", "aten._log_softmax.default", "aten._safe_softmax.default")
 def softmax(op: Op, program: Program) -> OpRule:
     spec, rep = _softmax_spec(op, program, 1, 1)
     return spec_rule(op, program, spec, replicate=rep, name="softmax")

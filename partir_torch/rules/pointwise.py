@@ -1,9 +1,14 @@
-"""Elementwise ops (with broadcasting), including the optimizer's arithmetic and like-creation ops."""
+"""Elementwise ops (with broadcasting), including the optimizer's arithmetic and like-creation ops.
+
+Every op torch tags `pointwise` gets this rule through the tag (`register_tag`): comparisons, logical and
+bitwise ops, `fmod`, `remainder`, `signbit`, … — boolean and integer operands (attention masks, position
+ids) tile like any other. The explicit list holds the elementwise ops torch does not tag.
+"""
 
 from __future__ import annotations
 
 from partir_torch.ir.program import Op, Program
-from partir_torch.rules.base import LETTERS, OpRule, register, spec_rule, tensor_args
+from partir_torch.rules.base import LETTERS, OpRule, register, register_tag, spec_rule, tensor_args
 
 
 def broadcast_spec(program: Program, operands: list[int], result: int) -> str:
@@ -36,7 +41,10 @@ def broadcast_spec(program: Program, operands: list[int], result: int) -> str:
     "prims.eq.default", "prims.where.default",
     "aten.ne.Tensor", "aten.logical_not.default", "aten._to_copy.default", "aten.clone.default",
     "aten.ones_like.default", "aten.zeros_like.default", "aten.empty_like.default", "aten.full_like.default",
-    "aten.fill.Scalar", "aten.detach.default", "aten.copy.default",
+    "aten.fill.Scalar", "aten.detach.default", "aten.copy.default", "aten.lift_fresh_copy.default",
+    "aten.where.ScalarOther", "aten.where.ScalarSelf", "aten.where.Scalar", "aten.fill.Tensor",
+    "prims.copy_to.default", "prims.div.default", "prims.convert_element_type.default",
 )
+@register_tag("pointwise")
 def pointwise(op: Op, program: Program) -> OpRule:
     return spec_rule(op, program, broadcast_spec(program, tensor_args(op), op.outputs[0]), name="pointwise")

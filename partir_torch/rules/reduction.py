@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from partir_torch.ir.program import Op, Program
-from partir_torch.rules.base import LETTERS, OpRule, arg, register, spec_rule, tensor_args
+from partir_torch.rules.base import LETTERS, OpRule, arg, named_arg, register, spec_rule, tensor_args
 
 
 def _reduce_spec(op: Op, program: Program, dims, keepdim: bool) -> tuple[str, str]:
@@ -29,17 +29,18 @@ def mean(op: Op, program: Program) -> OpRule:
     return spec_rule(op, program, spec, mean=red, name="mean")
 
 
-@register("aten.cumsum.default")
-def cumsum(op: Op, program: Program) -> OpRule:
-    x = tensor_args(op)[0]
-    r = len(program.values[x].shape)
-    return spec_rule(op, program, f"{LETTERS[:r]}->{LETTERS[:r]}", replicate=LETTERS[int(arg(op, 1)) % r], name="scan")
-
-
-@register("aten.topk.default")
-def topk(op: Op, program: Program) -> OpRule:
-    x = tensor_args(op)[0]
-    r = len(program.values[x].shape)
-    d = int(arg(op, 2, "dim", -1)) % r
-    letters = LETTERS[:r]
-    return spec_rule(op, program, f"{letters}->{letters},{letters}", replicate=letters[d], name="topk")
+@register("aten.prod.dim_int", "aten.prod.default", "aten.amax.default", "aten.amin.default",
+          "aten.max.dim", "aten.min.dim", "aten.argmax.default", "aten.argmin.default", "aten.any.dim",
+          "aten.any.dims", "aten.any.default", "aten.all.dim", "aten.all.default", "aten.logsumexp.default",
+          "aten.max.default", "aten.min.default", "aten.var.correction", "aten.std.correction",
+          "aten.var_mean.correction", "aten.median.dim", "aten.mode.default")
+def non_sum(op: Op, program: Program) -> OpRule:
+    """Reductions that are not sums (products, extrema, arg-extrema, logical, variances): the reduced dims
+    stay replicated, the others tile."""
+    dims = named_arg(op, "dim")
+    dims = [dims] if isinstance(dims, int) else dims
+    keep = bool(named_arg(op, "keepdim", False))
+    spec, red = _reduce_spec(op, program, dims, keep)
+    lhs, _, rhs = spec.partition("->")
+    n = len([o for o in op.outputs if o >= 0])
+    return spec_rule(op, program, lhs + "->" + ",".join([rhs] * n), replicate=red, name="reduce")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from partir_torch.ir.program import Op, Program
-from partir_torch.rules.base import LETTERS, OpRule, arg, register, spec_rule, tensor_args
+from partir_torch.rules.base import LETTERS, OpRule, arg, named_arg, register, spec_rule, tensor_args
 
 
 def reshape_spec(a: tuple[int, ...], b: tuple[int, ...]) -> str:
@@ -46,6 +46,7 @@ def reshape_spec(a: tuple[int, ...], b: tuple[int, ...]) -> str:
 
 
 @register("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.squeeze.dim",
+          "aten.squeeze.dims", "aten.view_copy.default",
           "aten.squeeze.default", "aten.unsqueeze.default", "aten.alias.default")
 def reshape(op: Op, program: Program) -> OpRule:
     x = tensor_args(op)[0]
@@ -79,7 +80,7 @@ def permute(op: Op, program: Program) -> OpRule:
     return _perm_rule(op, program, [int(d) % r for d in arg(op, 1)])
 
 
-@register("aten.expand.default")
+@register("aten.expand.default", "aten.expand_copy.default")
 def expand(op: Op, program: Program) -> OpRule:
     from partir_torch.rules.pointwise import broadcast_spec
 
@@ -131,7 +132,8 @@ def cat(op: Op, program: Program) -> OpRule:
     return replace(rule, results=(replace(rule.results[0], chunks=((d, len(ins)),)),))
 
 
-@register("aten.split.Tensor", "aten.split_with_sizes.default")
+@register("aten.split.Tensor", "aten.split_with_sizes.default", "aten.unsafe_split.Tensor",
+          "aten.unsafe_split_with_sizes.default")
 def split(op: Op, program: Program) -> OpRule:
     """Into n equal parts (GPT-2's fused QKV): the operand read in n chunks (`Sharding.chunks`: a blocked
     operand costs an all-to-all), every part tiled alike; unequal parts: the dim stays replicated."""
@@ -159,3 +161,75 @@ def slice_backward(op: Op, program: Program) -> OpRule:
     d = int(arg(op, 2)) % r
     letters = LETTERS[:r]
     return spec_rule(op, program, f"{letters}->{letters}", replicate=letters[d], name="slice_backward")
+
+
+@register("aten.stack.default")
+def stack(op: Op, program: Program) -> OpRule:
+    """Equal-shaped parts stacked on a new dim: the other dims pass, the new dim carries no factor."""
+    ins = tensor_args(op)
+    r = len(program.values[op.outputs[0]].shape)
+    d = int(arg(op, 1, "dim", 0)) % r
+    letters = LETTERS[: r - 1]
+    out = letters[:d] + "_" + letters[d:]
+    return spec_rule(op, program, ",".join([letters] * len(ins)) + "->" + out, reduced=("",), name="stack")
+
+
+@register("aten.unbind.int")
+def unbind(op: Op, program: Program) -> OpRule:
+    x = tensor_args(op)[0]
+    r = len(program.values[x].shape)
+    d = int(arg(op, 1, "dim", 0)) % r
+    letters = LETTERS[: r - 1]
+    outs = [o for o in op.outputs if o >= 0]
+    return spec_rule(op, program, f"{letters[:d]}_{letters[d:]}->" + ",".join([letters] * len(outs)),
+                     reduced=("",) * len(outs), name="unbind")
+
+
+@register("aten.constant_pad_nd.default")
+def constant_pad(op: Op, program: Program) -> OpRule:
+    """Padded dims (pairs from the last dim backwards) stay replicated; the others tile."""
+    x = tensor_args(op)[0]
+    r = len(program.values[x].shape)
+    pad = list(arg(op, 1))
+    padded = {r - 1 - i // 2 for i, p in enumerate(pad) if p}
+    letters = LETTERS[:r]
+    return spec_rule(op, program, f"{letters}->{letters}", replicate="".join(letters[d] for d in padded),
+                     name="pad")
+
+
+@register("aten.tril.default", "aten.triu.default")
+def triangle(op: Op, program: Program) -> OpRule:
+    """A triangular mask compares global row and column positions: the last two dims stay replicated."""
+    r = len(program.values[tensor_args(op)[0]].shape)
+    letters = LETTERS[:r]
+    return spec_rule(op, program, f"{letters}->{letters}", replicate=letters[-2:], name="triangle")
+
+
+@register("aten.repeat.default")
+def repeat(op: Op, program: Program) -> OpRule:
+    """Repeated dims (and new leading ones) stay replicated; dims repeated once pass."""
+    x = tensor_args(op)[0]
+    r, reps = len(program.values[x].shape), list(arg(op, 1))
+    lead = len(reps) - r
+    letters = LETTERS[:r]
+    out = "_" * lead + "".join(c if reps[lead + i] == 1 else "_" for i, c in enumerate(letters))
+    rep = "".join(c for i, c in enumerate(letters) if reps[lead + i] != 1)
+    return spec_rule(op, program, f"{letters}->{out}", replicate=rep, reduced=("",), name="repeat")
+
+
+@register("aten.slice_scatter.default")
+def slice_scatter(op: Op, program: Program) -> OpRule:
+    """`src` written into a slice of `x` along `dim`: that dim stays replicated, the others tile."""
+    r = len(program.values[op.outputs[0]].shape)
+    d = int(named_arg(op, "dim", 0)) % r
+    letters = LETTERS[:r]
+    return spec_rule(op, program, f"{letters},{letters}->{letters}", replicate=letters[d], name="slice_scatter")
+
+
+@register("aten.select_scatter.default")
+def select_scatter(op: Op, program: Program) -> OpRule:
+    r = len(program.values[op.outputs[0]].shape)
+    d = int(arg(op, 2)) % r
+    letters = LETTERS[:r]
+    return spec_rule(op, program, f"{letters},{letters[:d] + letters[d + 1:]}->{letters}", replicate=letters[d],
+                     name="select_scatter")

@@ -164,7 +164,7 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
            hardware: str | Hardware = "cpu-virtual", memory: float | str | None = None, dcn_axes=(), seed: int = 0,
            budget: str | int | Budget | None = None, goal: str = "time", algorithm: str = "mcts",
            fold: bool = True, progress: bool = False, require_fit: bool = True, prune: bool = True,
-           goals: bool = True):
+           goals: bool = True, fallback: bool = False, mode: str | None = None):
     """Find a sharding plan for one training step of `model` on `mesh` (`{"batch": 2, "model": 4}`,
     `"batch=2,model=4"` or a `Mesh`) and return it as a `ShardingPlan` (specs, cost report, statistics).
 
@@ -172,11 +172,14 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     manual tactics and search. `memory` (bytes, or a text like "16GiB") overrides the preset's device memory. With `require_fit`
     an `InfeasibleError` reports the best plan when none fits. `prune=False` / `goals=False` are the
     ablations of `SearchConfig` (no propagation-based pruning of actions / no per-axis goals).
+    `fallback=True` (or a `fallback` entry in the schedule text) runs ops without a tile-mapping rule
+    replicated, with one warning per op naming it, its module and the communication it adds.
+    `mode="inference"` plans the forward pass only (`loss_fn` unused); without it a missing `loss_fn` is an error.
     """
     from partir_torch.capture import capture
     from partir_torch.ir.mesh import parse_mesh
     from partir_torch.plan import ShardingPlan
-    from partir_torch.tactics import apply_schedule, parse_schedule
+    from partir_torch.tactics import apply_schedule, parse_schedule, wants_fallback
 
     mesh, marked = parse_mesh(mesh)
     dcn_axes = frozenset(dcn_axes) | marked
@@ -185,8 +188,8 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else list(schedule or [Auto(goal=goal)])
     config = SearchConfig(hw, frozenset(dcn_axes), memory, seed, Budget.parse(budget), algorithm, progress,
                           prune=prune, goals=goals)
-    program = capture(model, example_inputs, loss_fn, optimizer, fold=fold)
-    state = apply_schedule(program, mesh, tactics, search=config)
+    program = capture(model, example_inputs, loss_fn, optimizer, fold=fold, mode=mode)
+    state = apply_schedule(program, mesh, tactics, search=config, fallback=fallback or wants_fallback(schedule))
     from partir_torch.cost.model import evaluate
 
     report = evaluate(state, hw, dcn_axes=config.dcn_axes, memory_limit=memory)

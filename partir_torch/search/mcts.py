@@ -95,35 +95,49 @@ def simplify(replay, ev: Evaluator, plan: tuple, ref: tuple, simplicity: float, 
     return key, state, acts
 
 
+DEFAULT_EPISODES = 200  # the budget when none is given (`Budget()`, `Budget.parse(None)`, `SearchConfig()`)
+
+
 @dataclass
 class Budget:
-    """Stop after `episodes`, or after `seconds`, whichever comes first (None: no limit on that)."""
+    """Stop after `episodes`, or after `seconds`, whichever comes first (None: no limit on that). With
+    neither given, the search is bounded by `DEFAULT_EPISODES` episodes: it never runs unbounded."""
 
     episodes: int | None = None
     seconds: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.episodes is None and self.seconds is None:
+            self.episodes = DEFAULT_EPISODES
+
     @classmethod
     def parse(cls, text: str | int | float | Budget | None) -> Budget:
-        """`"30s"`, `"2m"`, `"500"` / `"500ep"` (episodes), a number of episodes, or None (200 episodes)."""
+        """`"30s"`, `"2m"`, `"500"` / `"500ep"` (episodes), a number of episodes, or None (the default)."""
         from partir_torch.errors import PartirError
 
-        if isinstance(text, Budget):
-            return text
         if text is None:
-            return cls(episodes=200)
-        if isinstance(text, int | float):
-            return cls(episodes=int(text))
-        t = text.strip().lower()
-        try:
-            if t.endswith("ms"):
-                return cls(seconds=float(t[:-2]) / 1e3)
-            if t.endswith("s"):
-                return cls(seconds=float(t[:-1]))
-            if t.endswith("m"):
-                return cls(seconds=60 * float(t[:-1]))
-            return cls(episodes=int(t.removesuffix("ep")))
-        except ValueError:
-            raise PartirError(f"cannot read search budget {text!r}; write e.g. 30s, 2m or 500 (episodes)") from None
+            return cls()
+        if isinstance(text, Budget):
+            out = text
+        elif isinstance(text, int | float):
+            out = cls(episodes=int(text))
+        else:
+            t = text.strip().lower()
+            try:
+                if t.endswith("ms"):
+                    out = cls(seconds=float(t[:-2]) / 1e3)
+                elif t.endswith("s"):
+                    out = cls(seconds=float(t[:-1]))
+                elif t.endswith("m"):
+                    out = cls(seconds=60 * float(t[:-1]))
+                else:
+                    out = cls(episodes=int(t.removesuffix("ep")))
+            except ValueError:
+                raise PartirError(f"cannot read search budget {text!r}; write e.g. 30s, 2m or 500 (episodes)") from None
+        if (out.episodes is not None and out.episodes <= 0) or (out.seconds is not None and out.seconds <= 0):
+            raise PartirError(f"search budget {text!r} must be positive; give e.g. 30s, 2m or 500 (episodes), or "
+                              f"nothing for the default ({DEFAULT_EPISODES} episodes)")
+        return out
 
     def split(self, k: int) -> Budget:
         return Budget(None if self.episodes is None else max(1, self.episodes // k),

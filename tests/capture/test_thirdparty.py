@@ -87,3 +87,27 @@ def test_torchvision_resnet18():
     ]
     assert "updated[layer4.1.bn2.running_mean]" in {v.name for v in p.values}
     assert p.op_counts()["aten.convolution_backward.default"] == 20
+
+
+@pytest.mark.thirdparty
+def test_library_checks_name_the_supported_way_through():
+    from partir_torch.errors import CaptureError
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[:, -2:] = 0
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=128))
+    with pytest.raises(CaptureError, match=r"torch\.all\(mask == 1\).*assume_compiling=True.*attn_implementation"):
+        capture(bert, (ids, mask, ids), _mlm_loss, "adamw")
+    p = capture(bert, (ids, mask, ids), _mlm_loss, "adamw", assume_compiling=True)
+    assert "aten._safe_softmax.default" in p.op_counts()  # SDPA with the mask, in its math form
+
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        encoder_layers=1, decoder_layers=1, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        encoder_attention_heads=4, decoder_attention_heads=4, vocab_size=128, max_position_embeddings=64))
+    loss = lambda m, x, y: m(input_ids=x, labels=y).loss  # noqa: E731
+    with pytest.raises(CaptureError, match=r"layerdrop.*only in training mode: capture the model in eval mode"):
+        capture(bart, (ids, ids), loss, "adamw", assume_compiling=True)
+    assert capture(bart.eval(), (ids, ids), loss, "adamw", assume_compiling=True).mode == "train"

@@ -51,6 +51,11 @@ def test_ops_without_rules_are_decomposed_into_ops_with_rules():
         rule_for(next(op for op in program.ops if op.target == "aten.hardswish.default"), program)
     ready = prepare(program)
     assert not missing_ops(ready)
+    # the ops hardswish decomposed into keep the module and source line of the op they replace
+    before = {(op.module, op.source) for op in program.ops if op.target.startswith("aten.hardswish")}
+    new = [op for op in ready.ops if op.target not in {o.target for o in program.ops}]
+    assert new and {(op.module, op.source) for op in new} <= before, [(op.target, op.module, op.source) for op in new]
+    assert all(src and src.startswith("test_coverage.py:") for _, src in before)
     state = apply_schedule(program, Mesh.parse("batch=4"), "batch:BatchParallel")
     states = {n: {"momentum_buffer": torch.zeros_like(p)} for n, p in m.named_parameters()}
     res = simulate(state.program, state, {n: p.detach() for n, p in m.named_parameters()}, {}, (x,), states)

@@ -116,3 +116,132 @@ def test_loss(data):
     def f(s, x, y):
         return F.cross_entropy(x @ s.w, target) + F.mse_loss(x, y)
     check(Lambda(f, w=r(8, 4)), (r(8, 8), r(8, 8)), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_random_dropout_mask_is_the_unsharded_one(data):
+    m = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+    m.train()
+    check(m, (r(8, 8),), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_batchnorm_training(data):
+    m = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(4))
+    m(r(4, 4, 2, 2))  # materialize the lazy layer
+    m.train()
+    check(m, (r(4, 4, 2, 2),), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_rnn(data):
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(4, 8, batch_first=True)
+            self.gru = nn.GRU(8, 4, batch_first=True)
+
+        def forward(self, x):
+            return self.gru(self.lstm(x)[0])[0]
+    check(M(), (r(4, 3, 4),), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_scan_sort_flip(data):
+    def f(s, x):
+        h = x @ s.w
+        v, _ = torch.sort(h, dim=1)
+        t, _ = torch.topk(h, 2, dim=0)
+        return v + h.cumsum(1) + h.cumprod(0) + h.flip(1) + h.argsort(1).float() + t.sum(0)
+    check(Lambda(f, w=r(8, 8)), (r(4, 8),), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_non_sum_reductions(data):
+    def f(s, x):
+        h = x * s.w
+        return (h.amax(1) + h.prod(1) + h.max(1).values + h.logsumexp(1) + h.var(1) + h.argmax(1).float()
+                + h.gt(0).any(1).float() + h.std(0).sum())
+    check(Lambda(f, w=r(4, 6)), (r(4, 6),), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_gather_scatter_and_advanced_indexing(data):
+    idx = torch.tensor([0, 3, 1, 1])
+    perm = torch.tensor([[1, 0, 2, 3, 5, 4, 7, 6]] * 4)
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(r(8, 8))
+            self.bag = nn.EmbeddingBag(6, 8, mode="sum")
+
+        def forward(self, x):
+            h = x @ self.w  # [4, 8]
+            g = torch.gather(h, 1, perm)
+            sa = torch.zeros_like(h).scatter_add(1, perm, h * 2)
+            a = h[:, idx]  # advanced indexing: index_put in the backward
+            b = h[idx]
+            e = self.bag(torch.tensor([[0, 2], [1, 5], [3, 3], [4, 0]]))
+            return g + sa + e + b + a.sum(1, keepdim=True) + torch.zeros(4, 8).index_add(0, idx, h)
+    check(M(), (r(4, 8),), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_integer_and_boolean_mask_ops(data):
+    def f(s, x, ids):
+        pos = torch.arange(x.shape[1]).unsqueeze(0).expand_as(ids)  # position ids
+        keep = torch.logical_and(ids.ne(0), torch.fmod(pos, 3) != 1) | torch.signbit(x)
+        odd = torch.remainder(ids, 2).bool() ^ (ids.bitwise_and(4) > 0)
+        h = torch.where(keep, x * s.w, 0.0) + torch.where(odd, 1.0, x)
+        return h.masked_fill(~keep, -1.0) + torch.fmod(h, 0.7) + torch.tril(h.view(4, 2, 4)).view(4, 8)
+    check(Lambda(f, w=r(8)), (r(4, 8), torch.randint(0, 6, (4, 8))), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_stack_unbind_pad_repeat_and_writes(data):
+    def f(s, x):
+        h = x @ s.w  # [4, 8]
+        st_ = torch.stack([h, h * 2], dim=1)  # [4, 2, 8]
+        a, b = st_.unbind(1)
+        p = F.pad(h, (1, 1))[:, 1:-1]
+        y = h.clone()
+        y[:, 0] = a[:, 1]  # select_scatter
+        y[:, 2:4] = b[:, :2]  # slice_scatter
+        z = h.masked_scatter(h > 0, b * 3)
+        return a + p + y + z + h.repeat(1, 2)[:, :8]
+    check(Lambda(f, w=r(8, 8)), (r(4, 8),), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_resampling_and_adaptive_pooling(data):
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            h = self.conv(x)
+            up = F.interpolate(h, scale_factor=2, mode="bilinear", align_corners=False)
+            return F.adaptive_avg_pool2d(up, 1).flatten(1) + F.adaptive_max_pool2d(h, 2).sum((2, 3))
+    check(M(), (r(4, 4, 4, 4),), data)
+
+
+@SETTINGS
+@given(st.data())
+def test_batchnorm_eval(data):
+    m = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(4))
+    m(r(4, 4, 2, 2))
+    m[1].running_mean.normal_()
+    m[1].running_var.uniform_(0.5, 2.0)
+    m.eval()
+    check(m, (r(4, 4, 2, 2),), data)
