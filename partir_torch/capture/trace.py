@@ -578,7 +578,14 @@ def _explain(e: Exception, tracker: _ModuleTracker, inputs: tuple[torch.Tensor, 
             f"{msg}. It received input shapes {shapes}{'; it expects ' + expect if expect else ''}. "
             f"Example inputs given: {given}. Check that the example inputs have the shapes the model expects."
         )
-    return CaptureError(f"capture failed{in_module}{where}: {msg}.{_training_hint(frame)} Example inputs given: {given}.")
+    patched = ""
+    if tracker.failed_in is not None and type(mod).__module__.startswith("torch_xla"):
+        orig = f"torch.nn.{type(mod).__name__}._orig"
+        patched = (f" {type(mod).__name__} here is torch_xla's replacement ({type(mod).__module__}): importing torch_xla "
+                   f"patches torch.nn.{type(mod).__name__} with it, and it cannot be traced; build the module with "
+                   f"{orig} (the original torch class), or build the model before torch_xla is imported.")
+    return CaptureError(f"capture failed{in_module}{where}: {msg}.{patched}{_training_hint(frame)} "
+                        f"Example inputs given: {given}.")
 
 
 EVAL_HINT = "capture the model in eval mode (model.eval(): no dropout)"

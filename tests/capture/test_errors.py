@@ -120,3 +120,17 @@ def test_untraceable_op_names_the_source_line_and_module():
     model = _Opaque()
     with pytest.raises(CaptureError, match=r"in module '<root>' \(_Opaque\) at .*test_errors\.py:\d+ \(`return _opaque\(self\.fc\(x\)\)`\)"):
         capture(model, (torch.randn(2, 4),), _loss, "sgd")
+
+
+def test_torch_xlas_patched_gru_is_named_with_the_way_around():
+    import importlib.util
+
+    import torch.nn as nn
+
+    from partir_torch.errors import CaptureError
+
+    if importlib.util.find_spec("torch_xla") is None or not hasattr(nn.GRU, "_orig"):
+        pytest.skip("torch_xla (which patches nn.GRU at import) is not loaded")
+    model = nn.GRU(4, 4, batch_first=True)
+    with pytest.raises(CaptureError, match=r"GRU here is torch_xla's replacement .* torch.nn.GRU._orig"):
+        capture(model, (torch.randn(2, 3, 4),), lambda m, x: m(x)[0].sum(), "sgd")
