@@ -326,11 +326,17 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
     An axis may be claimed by several tactics (DP then ZeRO on `batch`); each builds on the earlier ones."""
     from partir_torch.rules.decompose import prepare
     from partir_torch.search.api import Auto
+    from partir_torch.search.mcts import INTERRUPTED
 
     fallback = fallback or wants_fallback(schedule)
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else schedule
     state = ShardingState(prepare(program, fallback=fallback), mesh, fallback=fallback)
+    INTERRUPTED.clear()
     for t in tactics:
+        if INTERRUPTED.is_set():  # Ctrl-C in an earlier search: the later tactics are not applied
+            warnings.warn(f"search interrupted (Ctrl-C): the plan is the best found so far; "
+                          f"{', '.join(type(x).__name__ for x in tactics[tactics.index(t):])} not applied", stacklevel=2)
+            break
         before = list(state.shard)
         try:
             if isinstance(t, Auto):
@@ -345,6 +351,8 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
             warnings.warn(f"{name} changes nothing: {why}", stacklevel=2)
         elif blocked:
             warnings.warn(f"{name} left {len(blocked)} value(s) replicated: {'; '.join(blocked[:4])}", stacklevel=2)
+    if INTERRUPTED.is_set() and tactics and isinstance(tactics[-1], Auto):
+        warnings.warn("search interrupted (Ctrl-C): the plan is the best found so far", stacklevel=2)
     if fallback:
         warn_fallbacks(state)
     return state

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -96,6 +97,9 @@ def simplify(replay, ev: Evaluator, plan: tuple, ref: tuple, simplicity: float, 
 
 
 DEFAULT_EPISODES = 200  # the budget when none is given (`Budget()`, `Budget.parse(None)`, `SearchConfig()`)
+
+
+INTERRUPTED = threading.Event()  # set by Ctrl-C during a search: every search phase then ends with its best
 
 
 @dataclass
@@ -369,7 +373,7 @@ class MCTS:
         applied0 = self.plans.applied  # the refinement's budget unit: actions applied (and propagated)
 
         def spent() -> bool:
-            return ((deadline is not None and time.perf_counter() >= deadline)
+            return ((deadline is not None and time.perf_counter() >= deadline) or INTERRUPTED.is_set()
                     or (max_evals is not None and self.plans.applied - applied0 >= max_evals))
 
         pool = sorted(self.elite.values(), key=lambda e: e[0])
@@ -532,8 +536,10 @@ class MCTS:
             task = bar.add_task(f"MCTS on {', '.join(self.axes)}", total=budget.episodes or None)
         end = None if main.seconds is None else t0 + main.seconds
         try:
-            while True:
+            while not INTERRUPTED.is_set():
                 while True:
+                    if INTERRUPTED.is_set():
+                        break
                     if main.episodes is not None and self.stats.episodes >= main.episodes:
                         break
                     if end is not None and time.perf_counter() >= end:
@@ -554,6 +560,8 @@ class MCTS:
                     break
                 # the refinement ended early: search on (a refinement-only run too: its tree starts then)
                 end = time.perf_counter() + left * (1 - refine if refine < 1 else 0.8)
+        except KeyboardInterrupt:  # Ctrl-C: the best plan so far is the answer (of this and every later phase)
+            INTERRUPTED.set()
         finally:
             if bar is not None:
                 bar.stop()

@@ -125,3 +125,33 @@ def test_search_takes_the_ablation_knobs():
     per_axis = plan.search["per_axis"]
     assert len(per_axis) == 1 and per_axis[0]["goal"] is None and per_axis[0]["axes"] == ["batch", "model"]
     assert 0 < plan.search["episodes"] <= 20
+
+
+def test_ctrl_c_during_a_search_returns_the_best_plan_so_far(monkeypatch):
+    """SIGINT at the 30th episode of a 60 s search: the search ends at once with the best plan it had, says so,
+    and raises nothing."""
+    import os
+    import signal
+    import time
+    import warnings
+
+    from partir_torch.search.mcts import MCTS
+
+    episode, count = MCTS.episode, [0]
+
+    def interrupted_episode(self):
+        count[0] += 1
+        if count[0] == 30:
+            os.kill(os.getpid(), signal.SIGINT)  # as the terminal does on Ctrl-C
+        return episode(self)
+
+    monkeypatch.setattr(MCTS, "episode", interrupted_episode)
+    model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plan = search(model, inputs, "batch=2,model=4", loss_fn=loss_fn, budget="60s", memory="120KiB",
+                      require_fit=False)
+    assert time.perf_counter() - t0 < 20
+    assert any("search interrupted (Ctrl-C): the plan is the best found so far" in str(w.message) for w in seen)
+    assert 30 <= count[0] < 40 and any(any(s) for s in plan.params.values())
