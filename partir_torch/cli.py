@@ -445,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     except PartirError as e:
         print(f"partir-torch: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside a search (a search returns its best plan so far)
+        print("partir-torch: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
