@@ -353,6 +353,7 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
             warnings.warn(f"{name} left {len(blocked)} value(s) replicated: {'; '.join(blocked[:4])}", stacklevel=2)
     if INTERRUPTED.is_set() and tactics and isinstance(tactics[-1], Auto):
         warnings.warn("search interrupted (Ctrl-C): the plan is the best found so far", stacklevel=2)
+    INTERRUPTED.clear()  # consumed: a later search in this process runs in full
     if fallback:
         warn_fallbacks(state)
     return state
