@@ -82,7 +82,7 @@ def _names(names: list[str], top: int = 8) -> str:
     return ", ".join(names[:top]) + (f" … ({len(names) - top} more)" if len(names) > top else "")
 
 
-def _divisibility(what: str, shape: tuple[int, ...], spec: Spec, mesh: dict[str, int]) -> list[str]:
+def divisibility(what: str, shape: tuple[int, ...], spec: Spec, mesh: dict[str, int]) -> list[str]:
     out = []
     for d, entry in enumerate(spec[: len(shape)]):
         axes = [] if entry is None else [entry] if isinstance(entry, str) else list(entry)
@@ -222,7 +222,7 @@ class ShardingPlan:
                 if want is not None and list(t.shape) != list(want):
                     problems.append(f"{kind} {n} has shape {list(t.shape)}, the plan was made for {want}")
                 elif n in planned:
-                    problems += _divisibility(f"{kind} {n}", tuple(t.shape), planned[n], self.mesh)
+                    problems += divisibility(f"{kind} {n}", tuple(t.shape), planned[n], self.mesh)
         if example_inputs is not None:
             xs = (example_inputs,) if hasattr(example_inputs, "shape") else tuple(example_inputs)
             if len(xs) != len(self.inputs):
@@ -231,7 +231,7 @@ class ShardingPlan:
                 if want is not None and list(x.shape) != list(want):
                     problems.append(f"input {i} has shape {list(x.shape)}, the plan was made for {want}")
                 elif i < len(self.inputs):
-                    problems += _divisibility(f"input {i}", tuple(x.shape), self.inputs[i], self.mesh)
+                    problems += divisibility(f"input {i}", tuple(x.shape), self.inputs[i], self.mesh)
         if problems:
             raise PlanMismatchError("the plan does not fit this model:\n  - " + "\n  - ".join(problems))
 

@@ -15,6 +15,7 @@ parameters is reported.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -171,10 +172,17 @@ def verify_workload(plan: ShardingPlan, spec: str, overrides: dict[str, str] | N
     return compare(plan, step)
 
 
-def _recorded(model):
+def _record(model):
+    """What `auto_shard` did to `model` (None when it is not sharded, or torch_xla was never loaded)."""
+    if "torch_xla" not in sys.modules:
+        return None
     from partir_torch.backends import xla
 
-    rec = xla.sharded(model) if "torch_xla" in __import__("sys").modules else None
+    return xla.sharded(model)
+
+
+def _recorded(model):
+    rec = _record(model)
     return (rec.loss_fn, rec.optimizer) if rec else (None, None)
 
 
@@ -182,13 +190,8 @@ def _unsharded_copy(model):
     """`model` as the user built it, without what `auto_shard` added: a deep copy whose parameters and buffers
     are the caller's original tensors (meta or host) and whose module hooks are the user's own."""
     import copy
-    import sys
 
-    if "torch_xla" not in sys.modules:
-        return model
-    from partir_torch.backends import xla
-
-    rec = xla.sharded(model)
+    rec = _record(model)
     if rec is None:
         return model
     memo: dict[int, Any] = {id(getattr(m, a)): t for m, a, t in rec.originals}
@@ -206,8 +209,8 @@ def _unsharded_copy(model):
 
 def _retarget(optimizer, model, snapshot):
     """The user's optimizer (on `model`'s original parameters) rebuilt on the snapshot's, by name."""
-    from partir_torch.backends.xla import rebuild_optimizer, sharded
+    from partir_torch.backends.xla import rebuild_optimizer
 
-    rec = sharded(model)
+    rec = _record(model)
     names = dict(rec.names) if rec else {id(p): n for n, p in model.named_parameters()}
     return rebuild_optimizer(optimizer, names, dict(snapshot.named_parameters()))

@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
-from partir_torch.plan import ShardingPlan
+from partir_torch.plan import ShardingPlan, divisibility
 
 log = logging.getLogger(__name__)
 
@@ -379,11 +379,10 @@ def shard_input(rec: Sharded, i: int, x: torch.Tensor) -> torch.Tensor:
     with one warning (XLA compiles a second program for it); otherwise it is an error."""
     plan = rec.plan
     spec = plan.inputs[i] if i < len(plan.inputs) else None
-    want = plan.shapes.get("inputs", [None] * (i + 1))[i] if plan.shapes.get("inputs") else None
+    shapes = plan.shapes.get("inputs") or []
+    want = shapes[i] if i < len(shapes) else None
     if want is not None and list(x.shape) != list(want):
-        from partir_torch.plan import _divisibility
-
-        bad = _divisibility(f"input {i}", tuple(x.shape), spec or [], plan.mesh)
+        bad = divisibility(f"input {i}", tuple(x.shape), spec or [], plan.mesh)
         if bad or x.dim() != len(want):
             raise XlaError(f"input {i} has shape {list(x.shape)}, the plan was made for {want}: " + "; ".join(bad)
                            + ". Drop the last partial batch (DataLoader(drop_last=True)) or pad it to the planned shape")
