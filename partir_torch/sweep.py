@@ -165,16 +165,24 @@ def run(name: str, *, mesh: str = "batch=2,model=2", budget: int = 30, seed: int
 
 def _capture(model, inputs, loss_fn, notes: list[str]):
     """Capture; when the error names the library's supported way through (its compile path, or its eval
-    path for training-only constructs), take it as a user would, and note it."""
+    path for training-only constructs), or a submodule with data-dependent shapes that fallback=True captures
+    as one replicated op, take it as a user would, and note it."""
     from partir_torch.capture import capture
     from partir_torch.capture.trace import EVAL_HINT
 
     kw: dict = {}
-    for _ in range(3):
+    for _ in range(4):
         try:
-            return capture(model, inputs, loss_fn, "adamw", **kw)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                program = capture(model, inputs, loss_fn, "adamw", **kw)
+            notes += [str(w.message).split(";")[0] for w in caught if "capture (fallback)" in str(w.message)]
+            return program
         except CaptureError as e:
-            if "assume_compiling=True" in str(e) and not kw:
+            if "fallback=True" in str(e) and "fallback" not in kw:
+                kw["fallback"] = True
+                notes.append("captured with fallback=True")
+            elif "assume_compiling=True" in str(e) and "assume_compiling" not in kw:
                 kw["assume_compiling"] = True
                 notes.append("captured with assume_compiling=True")
             elif EVAL_HINT in str(e) and model.training:

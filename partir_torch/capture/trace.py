@@ -18,6 +18,7 @@ import operator
 import os
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from partir_torch.capture.decomp import FUNCTIONAL_DECOMPS
 from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
+from partir_torch.capture.opaque import OpaqueModules, OutputShapeVaries
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
 from partir_torch.errors import CaptureError, InputShapeError
 from partir_torch.ir.program import Group, Op, Phase, Program, Ref, Role, Value
@@ -50,6 +52,7 @@ def capture(
     mode: str | None = None,
     fold: bool = False,
     assume_compiling: bool = False,
+    fallback: bool = False,
     _strict: bool = True,
 ) -> Program:
     """Capture `loss_fn(model, *example_inputs)`, its backward and the optimizer update as a `Program`.
@@ -63,12 +66,16 @@ def capture(
     `assume_compiling=True` (opt-in) makes `torch.compiler.is_compiling()` true while tracing, so libraries
     that skip data-dependent checks under torch.compile take that path (HF transformers' SDPA attention-mask
     check `torch.all(mask == 1)`); the capture error for such a check suggests it.
+    `fallback=True` (opt-in, CLI --fallback) captures a submodule whose forward has data-dependent shapes (MoE
+    routing) as one opaque op, run replicated, with one warning naming it and its measured FLOPs
+    (`capture/opaque.py`); without it, that is an error which suggests it.
     """
     if assume_compiling:
         with _compiling():
-            return capture(model, example_inputs, loss_fn, optimizer, mode=mode, fold=fold, _strict=_strict)
+            return capture(model, example_inputs, loss_fn, optimizer, mode=mode, fold=fold, fallback=fallback,
+                           _strict=_strict)
     if fold:
-        program = _capture_folded(model, example_inputs, loss_fn, optimizer, mode)
+        program = _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback)
         if program is not None:
             return program
     t0 = time.perf_counter()
@@ -146,8 +153,16 @@ def capture(
             _tag_backward(loss)
             return loss.reshape(())
 
-        grads, loss = torch.func.grad_and_value(loss_of)([p_vals[n] for n in trainable], b_vals)
-        grads = dict(zip(trainable, grads))
+        if opaque:  # torch.func's transforms cannot differentiate a custom op: autograd, as aot_autograd does
+            leaves = [p_vals[n].detach().requires_grad_() for n in trainable]
+            with torch.enable_grad():
+                loss = loss_of(leaves, b_vals)
+                got = torch.autograd.grad(loss, leaves, allow_unused=True) if leaves else ()
+            grads_l = [g if g is not None else torch.zeros_like(x) for g, x in zip(got, leaves)]
+            loss = loss.detach()
+        else:
+            grads_l, loss = torch.func.grad_and_value(loss_of)([p_vals[n] for n in trainable], b_vals)
+        grads = dict(zip(trainable, grads_l))
         new_shared = spec.advance(shared_vals) if updated else {}
         new_params, new_states, cache = [], [new_shared[s] for s in shared], {}
         for n in updated:
@@ -161,23 +176,36 @@ def capture(
     # parameter and buffer object is put back afterwards, so the model is left exactly as it was
     saved = [(mod, kind, n, obj) for mod in model.modules() for kind in ("_parameters", "_buffers")
              for n, obj in getattr(mod, kind).items()]
-    try:
-        # mkldnn off: CPU dispatch would pick `mkldnn_rnn_layer` for nn.LSTM/GRU; the portable composite
-        # (linear + pointwise per time step) is what other devices run and what the rules cover
-        torch._C._set_mkldnn_enabled(False)
-        with fx_traceback.preserve_node_meta(), tracker:
-            traced = torch.func.functionalize(step, remove="mutations")
-            gm = make_fx(traced, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
-                         record_stack_traces=True)(*fakes)
-    except CaptureError:
-        raise
-    except Exception as e:  # translate torch's errors into ones that name what to change
-        raise _explain(e, tracker, inputs) from e
-    finally:
-        torch._C._set_mkldnn_enabled(mkldnn)
-        for mod, kind, n, obj in saved:
-            getattr(mod, kind)[n] = obj
+    opaque: list[str] = []  # modules captured as one op each (fallback=True, `capture/opaque.py`)
+    own_state = {**params, **buffers}
+    while True:
+        try:
+            # mkldnn off: CPU dispatch would pick `mkldnn_rnn_layer` for nn.LSTM/GRU; the portable composite
+            # (linear + pointwise per time step) is what other devices run and what the rules cover
+            torch._C._set_mkldnn_enabled(False)
+            with fx_traceback.preserve_node_meta(), tracker, OpaqueModules(model, opaque, own_state) as opaque_mods:
+                traced = (_functionalize_autograd(step) if opaque else
+                          torch.func.functionalize(step, remove="mutations"))
+                gm = make_fx(traced, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
+                             record_stack_traces=True)(*fakes)
+            break
+        except Exception as e:  # translate torch's errors into ones that name what to change
+            path = _opaque_candidate(e, tracker, opaque) if fallback else None
+            if path is None:
+                if isinstance(e, CaptureError):
+                    raise
+                raise _explain(e, tracker, inputs) from e
+            opaque = [p for p in opaque if not p.startswith(f"{path}.") and p != path] + [path]
+            tracker.failed_in, tracker.failed_stack = None, []
+        finally:
+            torch._C._set_mkldnn_enabled(mkldnn)
+            for mod, kind, n, obj in saved:
+                getattr(mod, kind)[n] = obj
     _check_functional(gm)
+    for line in opaque_mods.summary():
+        warnings.warn(f"capture (fallback): data-dependent shapes in {line}; it runs replicated on every device "
+                      "(no sharding inside it, its FLOPs charged to each device, its inputs gathered first)",
+                      stacklevel=2)
 
     out_roles: list[tuple[Role, str, int | None]] = []  # (role, name, index of the updated flat input)
     if mode == "train":
@@ -215,7 +243,59 @@ def capture(
     program.optimizer = spec.kind if spec else None
     program.groups = _groups(model, program, spec)
     program.capture_time_s = time.perf_counter() - t0
+    program.opaque = list(opaque_mods.calls.values())  # type: ignore[attr-defined]  # keeps the ops' modules
     return program
+
+
+def _opaque_candidate(e: Exception, tracker: _ModuleTracker, opaque: list[str]) -> str | None:
+    """The module to capture as an opaque op after `e`: the innermost module running when a data-dependent
+    op was met (or the parent of an opaque module whose output shape varies); None if `e` is another
+    error, or the model's own forward is the one to blame (making the whole model opaque shards nothing)."""
+    stack = [path for path, _, _ in tracker.failed_stack]
+    if isinstance(e, OutputShapeVaries) or isinstance(e.__cause__, OutputShapeVaries):
+        err = e if isinstance(e, OutputShapeVaries) else e.__cause__
+        parents = [p for p in stack if err.path.startswith(f"{p}.") or (p == "" and err.path)]  # type: ignore[union-attr]
+        path = parents[-1] if parents else None
+    elif _data_dependent(e):
+        path = stack[-1] if stack else None
+    else:
+        return None
+    return path if path and path not in opaque else None
+
+
+def _data_dependent(e: Exception) -> bool:
+    """A value read (`.item()`, a branch on a tensor) or an op whose output shape depends on values (`nonzero`)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    text = str(e)
+    return (isinstance(e, DataDependentOutputException | DynamicOutputShapeException) or "data-dependent" in text
+            or "data dependent" in text)
+
+
+def _functionalize_autograd(fn: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torch.Tensor]]:
+    """`torch.func.functionalize(fn, remove="mutations")` by `FunctionalTensorMode`, which (unlike functorch's
+    transform) lets autograd run through custom ops; inputs `fn` wrote are copied back at the end."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    def inner(*args: torch.Tensor) -> list[torch.Tensor]:
+        keys = torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
+        with torch._C._ExcludeDispatchKeyGuard(keys), FunctionalTensorMode():
+            fargs = [FunctionalTensor.to_functional(a) for a in args]
+            outs = fn(*fargs)
+
+            def plain(t: Any) -> Any:
+                if not isinstance(t, FunctionalTensor):
+                    return t
+                torch._sync(t)
+                return torch._from_functional_tensor(t.elem)
+
+            outs = [plain(o) for o in outs]
+            written = [(a, plain(f)) for a, f in zip(args, fargs) if torch._functionalize_has_data_mutation(f.elem)]
+        for a, new in written:
+            a.copy_(new)
+        return outs
+
+    return inner
 
 
 @contextlib.contextmanager
@@ -233,7 +313,7 @@ def _compiling():
 aten = torch.ops.aten
 
 
-def _capture_folded(model, example_inputs, loss_fn, optimizer, mode) -> Program | None:
+def _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback=False) -> Program | None:
     """The folded capture (`capture/fold.py`), container by container: if the model with every repeated
     container cut to two cannot be captured (its forward indexes a block by number, or pops a stack of skip
     connections once per block), the containers are tried one at a time, the one holding the most
@@ -251,7 +331,7 @@ def _capture_folded(model, example_inputs, loss_fn, optimizer, mode) -> Program 
         if new is not None and new not in rep:  # inside an element another fold already leaves out
             return None, None
         try:
-            program = capture(view, example_inputs, loss_fn, optimizer, mode=mode, _strict=False)
+            program = capture(view, example_inputs, loss_fn, optimizer, mode=mode, fallback=fallback, _strict=False)
         except CaptureError as e:
             return None, e
         program.fold = rep
@@ -326,6 +406,7 @@ class _ModuleTracker:
         self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
         self.stack: list[tuple[str, nn.Module, list[Any]]] = []
         self.failed_in: tuple[str, nn.Module, list[Any]] | None = None
+        self.failed_stack: list[tuple[str, nn.Module, list[Any]]] = []  # every module running at the failure
 
     def _pre(self, mod: nn.Module, args: tuple[Any, ...]) -> None:
         path = self.paths.get(id(mod))
@@ -356,6 +437,7 @@ class _ModuleTracker:
             h.remove()
         if exc[0] is not None and self.stack:
             self.failed_in = self.stack[-1]
+            self.failed_stack = list(self.stack)
         self.stack.clear()
 
 
@@ -552,13 +634,14 @@ def _explain(e: Exception, tracker: _ModuleTracker, inputs: tuple[torch.Tensor, 
     frame = _user_frame(e)
     where = f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else ""
     text = str(e)
-    from torch._subclasses.fake_tensor import DataDependentOutputException, UnsupportedOperatorException
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
-    if isinstance(e, DataDependentOutputException) or "data-dependent" in text or "data dependent" in text:
+    if _data_dependent(e):
         return CaptureError(
             f"the model has data-dependent Python control flow or reads a tensor's value{where}: capture traces "
             "with shapes only, so a branch or `.item()` on tensor values cannot be followed. Replace it with "
-            f"torch.where / masking, or make it depend on shapes only.{_compile_hint(frame)} (torch said: {msg})"
+            f"torch.where / masking, or make it depend on shapes only.{_compile_hint(frame)}{_opaque_hint(tracker)} "
+            f"(torch said: {msg})"
         )
     if isinstance(e, UnsupportedOperatorException):
         return CaptureError(
@@ -588,6 +671,16 @@ def _explain(e: Exception, tracker: _ModuleTracker, inputs: tuple[torch.Tensor, 
                         f"Example inputs given: {given}.")
 
 
+def _opaque_hint(tracker: _ModuleTracker) -> str:
+    """Inside a submodule, fallback=True captures that module as one replicated op."""
+    if tracker.failed_in is None or not tracker.failed_in[0]:
+        return ""
+    path, mod, _ = tracker.failed_in
+    return (f" Or capture with fallback=True (CLI --fallback): module {path!r} ({type(mod).__name__}) then "
+            f"becomes one opaque op that runs replicated ({OPAQUE_HINT}).")
+
+
+OPAQUE_HINT = "no sharding inside it; its FLOPs measured by running it once"
 EVAL_HINT = "capture the model in eval mode (model.eval(): no dropout)"
 
 

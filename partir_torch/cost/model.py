@@ -2,7 +2,8 @@
 
 Compute, per op, on its *local* (per-device) shapes after sharding:
     flops: mm/addmm 2mkn; bmm 2bmkn; convolution 2·|out|·|w|/C_out; its backward twice that;
-           flash attention 4·B·H·L·S·E forward, 2.5x that backward; everything else 0
+           flash attention 4·B·H·L·S·E forward, 2.5x that backward; an opaque module's op (capture
+           fallback=True, always replicated) its FLOPs counted on a real run at capture; everything else 0
     bytes: local operands read + local results written
     time  = max(flops / (peak(dtype) · matmul_efficiency), bytes / HBM bandwidth) + launch_floor
 Communication, per collective from `lower`, on a ring of n = the axis size, bandwidth bw and latency α of
@@ -51,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from partir_torch.capture.fold import weights
+from partir_torch.capture.opaque import measured_flops
 from partir_torch.cost.hardware import Hardware, check_mesh
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Phase, Role
@@ -138,7 +140,7 @@ def op_flops(target: str, operands: list[tuple[int, ...]], results: list[tuple[i
     if target == "aten._scaled_dot_product_flash_attention_for_cpu_backward.default":
         (b, h, L, e), (_, _, s, _) = operands[1], operands[2]
         return 10.0 * b * h * L * s * e
-    return 0.0
+    return measured_flops(target) or 0.0
 
 
 # -- per-program tables ---------------------------------------------------------------------------------
@@ -166,7 +168,7 @@ class _Static:
         self.sh_list: list[Sharding] = []
         # compute: per op, its tensors as (value, factors per dim, shape, itemsize); flops only for matmuls etc.
         self.tensors = [
-            (op.target in _FLOP_TARGETS,
+            (op.target in _FLOP_TARGETS or measured_flops(op.target) is not None,
              tuple((t.value, t.dims, vals[t.value].shape, vals[t.value].dtype.itemsize) for t in r.operands),
              tuple((t.value, t.dims, vals[t.value].shape, vals[t.value].dtype.itemsize) for t in r.results))
             for op, r in zip(ops, rules)
