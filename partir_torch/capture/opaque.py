@@ -22,9 +22,9 @@ backward's recomputation alike, so the unsharded run, the simulator and the back
 from __future__ import annotations
 
 import itertools
-from concurrent.futures import ThreadPoolExecutor
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,9 +101,9 @@ class OpaqueCall:
         with torch.enable_grad():
             outs = [t for t in self.run(full)[0] if t.is_floating_point()]
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
-            got = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True) \
-                if pairs else [None] * len(leaves)
-        return [torch.zeros_like(x) if g is None else g.detach() for g, x in zip(got, leaves)]
+            if pairs:  # backward(), not autograd.grad(): FlopCounterMode's module hooks reject the latter
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return [torch.zeros_like(x) if x.grad is None else x.grad for x in leaves]
 
     def probe(self, xs: list[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Output shapes for these argument shapes, from real runs (see the module docstring)."""
