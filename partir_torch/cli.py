@@ -84,7 +84,7 @@ def cmd_coverage(args: argparse.Namespace) -> int:
     optimizer = None if args.optimizer == "none" else args.optimizer
     program = capture(model, inputs, loss_fn if not args.inference else None, optimizer,
                       mode="inference" if args.inference else "train", fold=not args.no_fold,
-                      assume_compiling=args.assume_compiling)
+                      assume_compiling=args.assume_compiling, fallback=args.fallback)
     cov = coverage(program)
     if args.json:
         json.dump({"model": args.model, **cov.to_json()}, sys.stdout)
@@ -119,17 +119,32 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from partir_torch.capture import capture
     from partir_torch.ir import Mesh
     from partir_torch.lower import summarize
-    from partir_torch.plan import specs
+    from partir_torch.plan import ShardingPlan, specs
+    from partir_torch.search import Budget, SearchConfig
     from partir_torch.simulate import simulate
     from partir_torch.tactics import apply_schedule
 
+    Budget.parse(args.budget)  # a bad budget is reported before the capture
     torch.manual_seed(args.seed)
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config), device="cpu")
     if any(p.is_meta for p in model.parameters()):
         raise PartirError(f"{args.model} was built on meta; the simulator needs real weights")
-    program = capture(model, inputs, loss_fn, args.optimizer, assume_compiling=args.assume_compiling)
-    mesh = Mesh.parse(args.mesh)
-    state = apply_schedule(program, mesh, args.schedule, fallback=args.fallback)
+    if (args.plan is None) == (args.schedule is None):
+        raise PartirError("simulate needs a plan to run: --schedule TEXT, or --plan FILE (saved by `plan --out`)")
+    plan = ShardingPlan.load(args.plan) if args.plan else None
+    if plan is None and args.mesh is None:
+        raise PartirError("simulate --schedule needs --mesh, e.g. --mesh batch=2,model=2")
+    mesh = Mesh.parse(args.mesh) if args.mesh else Mesh.of(plan.mesh)
+    if plan is not None:
+        plan.check(model, inputs, dict(mesh.axes))  # every mismatch with the model and mesh, listed
+    program = capture(model, inputs, loss_fn, args.optimizer, assume_compiling=args.assume_compiling,
+                      fallback=args.fallback)
+    if plan is not None:
+        state = plan.to_state(program, fallback=args.fallback)
+        args.schedule = f"plan {args.plan}"
+    else:
+        config = SearchConfig(seed=args.seed, budget=Budget.parse(args.budget))  # Auto: bounded, default or given
+        state = apply_schedule(program, mesh, args.schedule, fallback=args.fallback, search=config)
     params = {n: p.detach() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(args.seed)
     states = {}
@@ -213,9 +228,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = SearchConfig(hw, dcn, limit, args.seed, Budget.parse(args.budget), args.algorithm,
                           progress=not args.json and sys.stderr.isatty())
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
+    fallback = args.fallback or wants_fallback(args.schedule)
     program = capture(model, inputs, loss_fn, args.optimizer, fold=not args.no_fold,
-                      assume_compiling=args.assume_compiling)
-    state = apply_schedule(program, mesh, tactics, search=config, fallback=args.fallback or wants_fallback(args.schedule))
+                      assume_compiling=args.assume_compiling, fallback=fallback)
+    state = apply_schedule(program, mesh, tactics, search=config, fallback=fallback)
     report = evaluate(state, hw, dcn_axes=dcn, memory_limit=limit)
     plan = ShardingPlan.from_state(state, report, schedule=args.schedule, hardware=hw.name, dcn_axes=dcn,
                                    search=summarize_log(config.log))
@@ -328,7 +344,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 _FALLBACK_HELP = ("run ops without a tile-mapping rule replicated (one warning per op with its module and the "
-                  "communication it adds) instead of stopping; `partir-torch coverage` lists them")
+                  "communication it adds) instead of stopping, and capture a submodule with data-dependent shapes "
+                  "(MoE routing) as one such op; `partir-torch coverage` lists them")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,14 +367,19 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
     cv.add_argument("--inference", action="store_true", help="the forward pass only")
     cv.add_argument("--no-fold", action="store_true", help="capture every repeated layer (as plan --no-fold)")
+    cv.add_argument("--fallback", action="store_true",
+                    help="capture a submodule with data-dependent shapes as one op (as plan --fallback) and list it")
     cv.add_argument("--json", action="store_true")
     cv.set_defaults(fn=cmd_coverage)
 
     sm = sub.add_parser("simulate", help="run a plan per device in plain torch and compare with unsharded (use tiny-* models)")
     sm.add_argument("model")
     sm.add_argument("--config", action="append", metavar="KEY=VALUE")
-    sm.add_argument("--mesh", required=True, help="e.g. batch=2,model=4")
-    sm.add_argument("--schedule", required=True, help='e.g. "batch:BatchParallel;model:Megatron;batch:ZeRO(1)"')
+    sm.add_argument("--mesh", help="e.g. batch=2,model=4 (with --plan: the plan's mesh)")
+    sm.add_argument("--schedule", help='e.g. "batch:BatchParallel;model:Megatron;batch:ZeRO(1)"')
+    sm.add_argument("--plan", metavar="FILE", help="simulate a saved plan (plan --out FILE) instead of a schedule")
+    sm.add_argument("--budget", help="search budget of the schedule's Auto tactics: seconds (30s) or episodes (500); "
+                                     "default: a fixed number of episodes")
     sm.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--fallback", action="store_true", help=_FALLBACK_HELP)

@@ -235,6 +235,54 @@ class ShardingPlan:
         if problems:
             raise PlanMismatchError("the plan does not fit this model:\n  - " + "\n  - ".join(problems))
 
+    def to_state(self, program, *, fallback: bool = False) -> ShardingState:
+        """The plan's shardings on `program` (the step of the model the plan was made for, folded or not): what
+        the simulator runs for a saved plan. A plan of manual tactics is rebuilt by running its schedule; a
+        searched one by applying every saved spec as tile actions (parameters, buffers, inputs, optimizer
+        states, then gradients and module outputs), each propagated. Either way the result must give back
+        every saved spec, else `PlanMismatchError` lists each value that differs."""
+        from partir_torch.errors import IllegalActionError
+        from partir_torch.ir import Mesh, Tile
+        from partir_torch.rules.decompose import prepare
+        from partir_torch.tactics import apply_schedule
+
+        mesh = Mesh.of(self.mesh)
+        problems: list[str] = []
+        if self.schedule and "auto" not in self.schedule.lower():
+            state = apply_schedule(program, mesh, self.schedule, fallback=fallback)
+        else:
+            state = ShardingState(prepare(program, fallback=fallback), mesh, fallback=fallback)
+            p = state.program
+            outs = module_outputs(p)
+            wanted: list[tuple[str, int | None, Spec]] = [(f"parameter {n}", p.params.get(n), s)
+                                                          for n, s in self.params.items()]
+            wanted += [(f"buffer {n}", p.buffers.get(n), s) for n, s in self.buffers.items()]
+            wanted += [(f"input {i}", p.inputs[i] if i < len(p.inputs) else None, s) for i, s in enumerate(self.inputs)]
+            wanted += [(f"optimizer state {k} of {n}", p.opt_states.get(n, {}).get(k), s)
+                       for n, st in self.optimizer_state.items() for k, s in st.items()]
+            wanted += [(f"gradient of {n}", p.grads.get(n), s) for n, s in self.grads.items()]
+            wanted += [(f"output of module {m}", outs.get(m), s) for m, s in self.activations.items()]
+            problems += [f"{what} is not in the captured program" for what, v, _ in wanted if v is None]
+            for what, v, spec in wanted:
+                for d, entry in enumerate(spec if v is not None else ()):
+                    for axis in [] if entry is None else [entry] if isinstance(entry, str) else entry:
+                        if axis in state.shard[v].dims[d]:
+                            continue  # implied by an earlier one
+                        try:
+                            state.apply(Tile(p.values[v].name, d, axis))
+                        except IllegalActionError as e:
+                            problems.append(f"{what}: {e}")
+        got, mine = specs(state), self.specs
+        for kind, a, b in (("parameter", got.params, mine.params), ("gradient of", got.grads, mine.grads),
+                           ("output of module", got.activations, mine.activations)):
+            problems += [f"{kind} {n}: the plan says {b[n]}, applying it gives {a[n]}" for n in b if n in a and a[n] != b[n]]
+        problems += [f"input {i}: the plan says {b}, applying it gives {a}"
+                     for i, (a, b) in enumerate(zip(got.inputs, mine.inputs)) if a != b]
+        if problems:
+            raise PlanMismatchError("the plan cannot be rebuilt on this program as saved (was it made for another "
+                                    "model, config or partir_torch version?):\n  - " + "\n  - ".join(problems[:20]))
+        return state
+
     def input_sharding(self, i: int):
         """torch_xla's sharding of input `i` (for `MpDeviceLoader(..., input_sharding=...)`)."""
         from partir_torch.backends import xla

@@ -70,3 +70,45 @@ def test_simulate_json(capsys):
 def test_simulate_bad_schedule_is_named(capsys):
     assert main(["simulate", "tiny-mlp", "--mesh", "batch=2", "--schedule", "model:Megatron"]) == 2
     assert "names axis 'model'" in capsys.readouterr().err
+
+
+def test_simulate_a_saved_searched_plan(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "tiny-mlp", "--mesh", "batch=2,model=2", "--schedule", "batch:BatchParallel;model:Auto",
+                 "--budget", "20", "--memory", "27KB", "--out", str(plan), "--json"]) == 0
+    saved = json.loads(capsys.readouterr().out)
+    assert main(["simulate", "tiny-mlp", "--plan", str(plan), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_abs_diff"] <= 1e-5 and out["mesh"] == {"batch": 2, "model": 2}
+    assert out["params"] == saved["params"]  # the plan simulated is the plan saved
+    assert any("model" in str(s) for s in out["params"].values())  # and it shards the model axis
+
+
+def test_simulate_a_saved_zero_plan_and_one_that_does_not_fit(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "tiny-mlp", "--mesh", "batch=2", "--schedule", "batch:FSDP", "--out", str(plan),
+                 "--json"]) == 0
+    saved = json.loads(capsys.readouterr().out)
+    assert main(["simulate", "tiny-mlp", "--plan", str(plan), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_abs_diff"] <= 1e-5 and out["params"] == saved["params"]
+    assert "reduce-scatter" in out["comm_bytes"] or "all-gather" in out["comm_bytes"]
+    assert main(["simulate", "tiny-mlp", "--config", "width=32", "--plan", str(plan)]) == 2
+    assert "the plan was made for" in capsys.readouterr().err
+    assert main(["simulate", "tiny-mlp", "--plan", str(plan), "--mesh", "batch=4"]) == 2
+    assert "the plan is for mesh {'batch': 2}" in capsys.readouterr().err
+
+
+def test_simulate_needs_exactly_one_of_schedule_and_plan(tmp_path, capsys):
+    assert main(["simulate", "tiny-mlp", "--mesh", "batch=2"]) == 2
+    assert "--schedule TEXT, or --plan FILE" in capsys.readouterr().err
+    assert main(["simulate", "tiny-mlp", "--plan", str(tmp_path / "none.json")]) == 2
+    assert "cannot read a plan" in capsys.readouterr().err
+
+
+def test_simulate_auto_with_a_budget(capsys):
+    argv = ["simulate", "tiny-mlp", "--mesh", "batch=2,model=2", "--schedule", "*:Auto", "--json"]
+    assert main([*argv, "--budget", "5"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_abs_diff"] <= 1e-5
+    assert main([*argv, "--budget", "0"]) == 2
+    assert "must be positive" in capsys.readouterr().err

@@ -188,8 +188,9 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else list(schedule or [Auto(goal=goal)])
     config = SearchConfig(hw, frozenset(dcn_axes), memory, seed, Budget.parse(budget), algorithm, progress,
                           prune=prune, goals=goals)
-    program = capture(model, example_inputs, loss_fn, optimizer, fold=fold, mode=mode)
-    state = apply_schedule(program, mesh, tactics, search=config, fallback=fallback or wants_fallback(schedule))
+    fallback = fallback or wants_fallback(schedule)
+    program = capture(model, example_inputs, loss_fn, optimizer, fold=fold, mode=mode, fallback=fallback)
+    state = apply_schedule(program, mesh, tactics, search=config, fallback=fallback)
     from partir_torch.cost.model import evaluate
 
     report = evaluate(state, hw, dcn_axes=config.dcn_axes, memory_limit=memory)
