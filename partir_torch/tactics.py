@@ -55,6 +55,17 @@ _STOP = {"aten.native_layer_norm.default", "aten.native_group_norm.default", "at
 _TRANSPOSES = {"aten.t.default", "aten.transpose.int", "aten.permute.default"}
 
 
+_CASTS = {"aten._to_copy.default", "prims.convert_element_type.default"}  # dtype casts (autocast's)
+
+
+def _uncast(program: Program, rules, v: int) -> int:
+    """The value `v` is a dtype cast of (autocast casts the weight of each linear), else `v`."""
+    while (prod := program.values[v].producer) >= 0 and program.ops[prod].target in _CASTS \
+            and program.values[v].shape == program.values[rules[prod].operands[0].value].shape:
+        v = rules[prod].operands[0].value
+    return v
+
+
 def linears(program: Program, rules) -> dict[int, tuple[int, int, int]]:
     """Forward linears: op id -> (weight parameter, its output-features dim, its input-features dim)."""
     params = set(program.params.values())
@@ -62,13 +73,13 @@ def linears(program: Program, rules) -> dict[int, tuple[int, int, int]]:
     for op in program.ops:
         if op.phase is not Phase.FORWARD or op.target not in _LINEAR:
             continue
-        rhs = rules[op.id].operands[_LINEAR[op.target][1]].value
+        rhs = _uncast(program, rules, rules[op.id].operands[_LINEAR[op.target][1]].value)
         if rhs in params and len(program.values[rhs].shape) == 2:
             out[op.id] = (rhs, 1, 0)  # x @ W with W [in, out]
             continue
         prod = program.values[rhs].producer
         if prod >= 0 and program.ops[prod].target in _TRANSPOSES:
-            w = rules[prod].operands[0].value
+            w = _uncast(program, rules, rules[prod].operands[0].value)
             if w in params and len(program.values[w].shape) == 2:
                 out[op.id] = (w, 0, 1)  # x @ W.T with W [out, in] (nn.Linear)
     return out
