@@ -19,7 +19,9 @@ Text form: `"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` (`ZeRO3`, `FSDP`
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
+import time
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -330,13 +332,24 @@ def warn_fallbacks(state: ShardingState) -> list[str]:
     return msgs
 
 
+def _warn_small_budget(config, entries: list[dict], elapsed: float) -> None:
+    """A time budget the search overran (each sub-search runs at least one episode) was too small to search."""
+    seconds = config.budget.seconds
+    if seconds is None or not entries or elapsed <= 2 * seconds:
+        return
+    episodes = sum(e.get("episodes", 0) for e in entries)
+    warnings.warn(f"search budget {seconds:g} s is too small for this program: the search ran {episodes} episode(s) "
+                  f"(at least one per sub-search) in {elapsed:.2f} s, and the plan is what those found; give it more "
+                  f"time (e.g. --budget {max(10, math.ceil(20 * elapsed))}s) or a number of episodes", stacklevel=3)
+
+
 def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallback: bool = False,
                    search=None) -> ShardingState:
     """Apply a schedule to a fresh state. Ops without rules are decomposed first (`state.program` may then
     be a re-traced program). `search` (a `SearchConfig`) sets the cost model and budget of `Auto` tactics.
     An axis may be claimed by several tactics (DP then ZeRO on `batch`); each builds on the earlier ones."""
     from partir_torch.rules.decompose import prepare
-    from partir_torch.search.api import Auto
+    from partir_torch.search.api import Auto, SearchConfig
     from partir_torch.search.mcts import INTERRUPTED
 
     fallback = fallback or wants_fallback(schedule)
@@ -351,7 +364,10 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
         before = list(state.shard)
         try:
             if isinstance(t, Auto):
-                t.apply(state, search)
+                config = search if search is not None else SearchConfig()
+                n0, t0 = len(config.log), time.perf_counter()
+                t.apply(state, config)
+                _warn_small_budget(config, config.log[n0:], time.perf_counter() - t0)
                 continue
             blocked = t.apply(state) or []
         except IllegalActionError as e:

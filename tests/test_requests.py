@@ -153,3 +153,38 @@ def test_search_fallback_warns_per_op_and_plans():
     with pytest.warns(UserWarning, match=r"no tile-mapping rule for aten\._cdist_forward\.default .*all-gather"):
         plan = search(*args, **kw, fallback=True)
     assert plan.to_json()["inputs"]
+
+
+@pytest.mark.parametrize(("x", "torch_says"), [
+    (torch.randint(0, 5, (4, 8)), "mat1 and mat2 must have the same dtype, but got Long and Float"),
+    (torch.randn(4, 8, dtype=torch.float64), "mat1 and mat2 must have the same dtype, but got Double and Float"),
+])
+def test_a_step_torch_rejects_fails_at_capture_with_torchs_message(x, torch_says):
+    m = nn.Linear(8, 4)
+    with pytest.raises(RuntimeError, match=torch_says):  # what eager torch says
+        m(x)
+    with pytest.raises(CaptureError, match=rf"torch rejects this step: {torch_says} \(op aten\.addmm\.default.*x\.float\(\)"):
+        capture(m, (x,), lambda mod, x: mod(x).sum(), "sgd")
+
+
+def test_a_time_budget_too_small_for_an_episode_warns_with_the_episodes_run(capsys):
+    with pytest.warns(UserWarning, match=r"search budget 0\.001 s is too small for this program: the search ran \d+ "
+                                         r"episode\(s\)"):
+        assert main(["plan", "tiny-mlp", "--mesh", "batch=2,model=2", "--budget", "1ms", "--json"]) == 0
+
+
+def test_a_sufficient_time_budget_does_not_warn():
+    m, x, fn = _mlp()
+    p = capture(m, x, fn, "adamw")
+    from partir_torch.search import SearchConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_schedule(p, Mesh.parse("batch=2"), "batch:Auto", search=SearchConfig(budget=Budget(seconds=2.0)))
+
+
+def test_simulate_with_auto_and_no_budget_ends(capsys):
+    t = time.perf_counter()
+    assert main(["simulate", "tiny-mlp", "--mesh", "batch=2,model=2", "--schedule", "*:Auto", "--json"]) == 0
+    assert time.perf_counter() - t < 120
+    assert json.loads(capsys.readouterr().out)["max_abs_diff"] <= 1e-5

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import operator
 import os
 import time
@@ -225,6 +226,7 @@ def capture(
     in_roles += [(Role.OPT_STATE, f"opt.{s}[{n}]") for n in updated for s in states[n]]
     in_roles += [(Role.INPUT, f"inputs[{i}]") for i in range(len(inputs))]
     program = _to_program(gm, in_roles, out_roles, mode)
+    _check_dtypes(program)
     program.params = {n: i for i, n in enumerate(names)}
     program.buffers = {n: n_p + i for i, n in enumerate(bnames)}
     k = n_p + n_b
@@ -245,6 +247,45 @@ def capture(
     program.capture_time_s = time.perf_counter() - t0
     program.opaque = list(opaque_mods.calls.values())  # type: ignore[attr-defined]  # keeps the ops' modules
     return program
+
+
+# ops whose CPU/GPU kernels require one dtype for their tensor operands, which their fake (meta) kernels do not
+# check: torch would reject the step at its first real run
+_SAME_DTYPE = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
+               "aten.addbmm.default", "aten.convolution.default"}
+_CHECK_LIMIT = 1 << 26  # bytes: larger operands are not allocated to ask torch for its message
+
+
+def _check_dtypes(program: Program) -> None:
+    """A step real torch rejects (an int64 tensor into nn.Linear, float64 inputs into a float32 model) fails
+    here, with torch's own message: the op is run for real, on empty tensors of its shapes and dtypes."""
+    from partir_torch.rules.base import tensor_args, where
+
+    for op in program.ops:
+        if op.target not in _SAME_DTYPE:
+            continue
+        vals = [program.values[v] for v in tensor_args(op)]
+        if len({v.dtype for v in vals}) <= 1:
+            continue
+        dtypes = ", ".join(f"{v.name} {str(v.dtype).removeprefix('torch.')}" for v in vals)
+        msg = f"{op.target} got operands of different dtypes ({dtypes})"
+        if sum(math.prod(v.shape) * v.dtype.itemsize for v in vals) <= _CHECK_LIMIT:
+            it = iter(torch.empty(v.shape, dtype=v.dtype) for v in vals)
+
+            def real(a: Any) -> Any:
+                if isinstance(a, Ref):
+                    return next(it)
+                return type(a)(real(x) for x in a) if isinstance(a, (list, tuple)) else a
+
+            try:
+                op.overload(*real(op.args), **{k: real(a) for k, a in op.kwargs})
+                continue  # torch accepts it
+            except RuntimeError as e:
+                msg = str(e).strip().splitlines()[0]
+        raise CaptureError(
+            f"torch rejects this step: {msg} (op {op.target} in {where(op)}). Give the model inputs of the dtype its "
+            "weights have (e.g. x.float() for integer data, or model.to(x.dtype)), or wrap the forward in "
+            "torch.autocast")
 
 
 def _opaque_candidate(e: Exception, tracker: _ModuleTracker, opaque: list[str]) -> str | None:
