@@ -271,14 +271,8 @@ def _check_dtypes(program: Program) -> None:
         msg = f"{op.target} got operands of different dtypes ({dtypes})"
         if sum(math.prod(v.shape) * v.dtype.itemsize for v in vals) <= _CHECK_LIMIT:
             it = iter(torch.empty(v.shape, dtype=v.dtype) for v in vals)
-
-            def real(a: Any) -> Any:
-                if isinstance(a, Ref):
-                    return next(it)
-                return type(a)(real(x) for x in a) if isinstance(a, (list, tuple)) else a
-
             try:
-                op.overload(*real(op.args), **{k: real(a) for k, a in op.kwargs})
+                op.overload(*_real(op.args, it), **{k: _real(a, it) for k, a in op.kwargs})
                 continue  # torch accepts it
             except RuntimeError as e:
                 msg = str(e).strip().splitlines()[0]
@@ -286,6 +280,13 @@ def _check_dtypes(program: Program) -> None:
             f"torch rejects this step: {msg} (op {op.target} in {where(op)}). Give the model inputs of the dtype its "
             "weights have (e.g. x.float() for integer data, or model.to(x.dtype)), or wrap the forward in "
             "torch.autocast")
+
+
+def _real(a: Any, it) -> Any:
+    """`a` with each `Ref` replaced by the next tensor of `it`."""
+    if isinstance(a, Ref):
+        return next(it)
+    return type(a)(_real(x, it) for x in a) if isinstance(a, (list, tuple)) else a
 
 
 def _opaque_candidate(e: Exception, tracker: _ModuleTracker, opaque: list[str]) -> str | None:
