@@ -208,9 +208,12 @@ def define(call: OpaqueCall) -> OpaqueCall:
 class OpaqueModules:
     """While active, the forward of each listed module is replaced by its opaque op (see module docstring)."""
 
-    def __init__(self, model: nn.Module, paths: list[str], real_state: dict[str, torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, paths: list[str], real_state: dict[str, torch.Tensor],
+                 calls: dict[tuple, OpaqueCall] | None = None) -> None:
         self.model, self.paths, self.real_state = model, paths, real_state
-        self.calls: dict[tuple, OpaqueCall] = {}
+        # shared by capture's retries (one more module made opaque each): ops defined and probed once
+        self.calls: dict[tuple, OpaqueCall] = {} if calls is None else calls
+        self.used: set[tuple] = set()
 
     def __enter__(self) -> OpaqueModules:
         self._saved: list[tuple[nn.Module, Any]] = []
@@ -235,6 +238,7 @@ class OpaqueModules:
             consts = tuple(None if isinstance(t, torch.Tensor) else t for t in leaves)
             key = (path, spec, repr(consts))
             call = self.calls.get(key)
+            self.used.add(key)
             if call is None:
                 prefix = f"{path}." if path else ""
                 real = {n: self.real_state[prefix + n] for n in names
@@ -252,4 +256,7 @@ class OpaqueModules:
     def summary(self) -> list[str]:
         """One line per opaque op: module, op, FLOPs per call (forward, backward)."""
         return [f"module {c.path!r} ({type(c.module).__name__}) as op {c.target}: {c.flops[0]:,.0f} FLOPs forward, "
-                f"{c.flops[1]:,.0f} backward per call" for c in self.calls.values()]
+                f"{c.flops[1]:,.0f} backward per call" for k, c in self.calls.items() if k in self.used]
+
+    def used_calls(self) -> list[OpaqueCall]:
+        return [c for k, c in self.calls.items() if k in self.used]

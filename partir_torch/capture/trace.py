@@ -179,12 +179,13 @@ def capture(
              for n, obj in getattr(mod, kind).items()]
     opaque: list[str] = []  # modules captured as one op each (fallback=True, `capture/opaque.py`)
     own_state = {**params, **buffers}
+    opaque_calls: dict = {}
     while True:
         try:
             # mkldnn off: CPU dispatch would pick `mkldnn_rnn_layer` for nn.LSTM/GRU; the portable composite
             # (linear + pointwise per time step) is what other devices run and what the rules cover
             torch._C._set_mkldnn_enabled(False)
-            with fx_traceback.preserve_node_meta(), tracker, OpaqueModules(model, opaque, own_state) as opaque_mods:
+            with fx_traceback.preserve_node_meta(), tracker, OpaqueModules(model, opaque, own_state, opaque_calls) as opaque_mods:
                 traced = (_functionalize_autograd(step) if opaque else
                           torch.func.functionalize(step, remove="mutations"))
                 gm = make_fx(traced, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
@@ -245,7 +246,7 @@ def capture(
     program.optimizer = spec.kind if spec else None
     program.groups = _groups(model, program, spec)
     program.capture_time_s = time.perf_counter() - t0
-    program.opaque = list(opaque_mods.calls.values())  # type: ignore[attr-defined]  # keeps the ops' modules
+    program.opaque = opaque_mods.used_calls()  # type: ignore[attr-defined]  # keeps the ops' modules alive
     return program
 
 
