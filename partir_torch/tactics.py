@@ -349,7 +349,7 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
     be a re-traced program). `search` (a `SearchConfig`) sets the cost model and budget of `Auto` tactics.
     An axis may be claimed by several tactics (DP then ZeRO on `batch`); each builds on the earlier ones."""
     from partir_torch.rules.decompose import prepare
-    from partir_torch.search.api import Auto, SearchConfig
+    from partir_torch.search.api import Auto
     from partir_torch.search.mcts import INTERRUPTED
 
     fallback = fallback or wants_fallback(schedule)
@@ -364,10 +364,10 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
         before = list(state.shard)
         try:
             if isinstance(t, Auto):
-                config = search if search is not None else SearchConfig()
-                n0, t0 = len(config.log), time.perf_counter()
-                t.apply(state, config)
-                _warn_small_budget(config, config.log[n0:], time.perf_counter() - t0)
+                n0, t0 = len(search.log) if search is not None else 0, time.perf_counter()
+                t.apply(state, search)  # no config: Auto's default, a number of episodes
+                if search is not None:
+                    _warn_small_budget(search, search.log[n0:], time.perf_counter() - t0)
                 continue
             blocked = t.apply(state) or []
         except IllegalActionError as e:

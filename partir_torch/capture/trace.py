@@ -260,12 +260,12 @@ _CHECK_LIMIT = 1 << 26  # bytes: larger operands are not allocated to ask torch 
 def _check_dtypes(program: Program) -> None:
     """A step real torch rejects (an int64 tensor into nn.Linear, float64 inputs into a float32 model) fails
     here, with torch's own message: the op is run for real, on empty tensors of its shapes and dtypes."""
-    from partir_torch.rules.base import tensor_args, where
-
     for op in program.ops:
         if op.target not in _SAME_DTYPE:
             continue
-        vals = [program.values[v] for v in tensor_args(op)]
+        refs: list[int] = []
+        _real((*op.args, *(a for _, a in op.kwargs)), iter(()), refs)
+        vals = [program.values[v] for v in refs]
         if len({v.dtype for v in vals}) <= 1:
             continue
         dtypes = ", ".join(f"{v.name} {str(v.dtype).removeprefix('torch.')}" for v in vals)
@@ -278,16 +278,20 @@ def _check_dtypes(program: Program) -> None:
             except RuntimeError as e:
                 msg = str(e).strip().splitlines()[0]
         raise CaptureError(
-            f"torch rejects this step: {msg} (op {op.target} in {where(op)}). Give the model inputs of the dtype its "
+            f"torch rejects this step: {msg} (op {op.target} in module {op.module or '<root>'}"
+            f"{f' ({op.source})' if op.source else ''}). Give the model inputs of the dtype its "
             "weights have (e.g. x.float() for integer data, or model.to(x.dtype)), or wrap the forward in "
             "torch.autocast")
 
 
-def _real(a: Any, it) -> Any:
-    """`a` with each `Ref` replaced by the next tensor of `it`."""
+def _real(a: Any, it, found: list[int] | None = None) -> Any:
+    """`a` with each `Ref` replaced by the next tensor of `it` (or, with `found`, their value ids collected)."""
     if isinstance(a, Ref):
+        if found is not None:
+            found.append(a.id)
+            return a
         return next(it)
-    return type(a)(_real(x, it) for x in a) if isinstance(a, (list, tuple)) else a
+    return type(a)(_real(x, it, found) for x in a) if isinstance(a, (list, tuple)) else a
 
 
 def _opaque_candidate(e: Exception, tracker: _ModuleTracker, opaque: list[str]) -> str | None:
