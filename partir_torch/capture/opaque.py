@@ -201,7 +201,7 @@ def define(call: OpaqueCall) -> OpaqueCall:
         return ([next(it) if x.is_floating_point() else None for x in xs],)
 
     fwd.register_autograd(backward, setup_context=setup_context)
-    call.op, call.backward_op = fwd, bwd
+    call.op, call.backward_op = fwd, bwd  # torch.library holds the ops, so the module stays alive with them
     return call
 
 
@@ -258,5 +258,3 @@ class OpaqueModules:
         return [f"module {c.path!r} ({type(c.module).__name__}) as op {c.target}: {c.flops[0]:,.0f} FLOPs forward, "
                 f"{c.flops[1]:,.0f} backward per call" for k, c in self.calls.items() if k in self.used]
 
-    def used_calls(self) -> list[OpaqueCall]:
-        return [c for k, c in self.calls.items() if k in self.used]

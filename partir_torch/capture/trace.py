@@ -246,7 +246,6 @@ def capture(
     program.optimizer = spec.kind if spec else None
     program.groups = _groups(model, program, spec)
     program.capture_time_s = time.perf_counter() - t0
-    program.opaque = opaque_mods.used_calls()  # type: ignore[attr-defined]  # keeps the ops' modules alive
     return program
 
 
