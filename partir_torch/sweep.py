@@ -179,15 +179,16 @@ def _capture(model, inputs, loss_fn, notes: list[str]):
             notes += [str(w.message).split(";")[0] for w in caught if "capture (fallback)" in str(w.message)]
             return program
         except CaptureError as e:
-            if "fallback=True" in str(e) and "fallback" not in kw:
-                kw["fallback"] = True
-                notes.append("captured with fallback=True")
-            elif "assume_compiling=True" in str(e) and "assume_compiling" not in kw:
+            # the library's own ways first; fallback (an opaque, replicated module) only when nothing else helps
+            if "assume_compiling=True" in str(e) and "assume_compiling" not in kw:
                 kw["assume_compiling"] = True
                 notes.append("captured with assume_compiling=True")
             elif EVAL_HINT in str(e) and model.training:
                 model.eval()
                 notes.append("captured in eval mode (a training-only construct)")
+            elif "fallback=True" in str(e) and "fallback" not in kw:
+                kw["fallback"] = True
+                notes.append("captured with fallback=True")
             else:
                 raise
     return capture(model, inputs, loss_fn, "adamw", **kw)

@@ -36,6 +36,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from partir_torch.errors import CaptureError
 
 NAMESPACE = "partir_opaque"
+TENSOR = object()  # a tensor's slot among a call's (or its output's) pytree leaves; other leaves are kept as is
 _COUNTER = itertools.count()
 # op target ("partir_opaque.MoE_0.default") -> FLOPs per call, measured at capture shapes
 _FLOPS: dict[str, float] = {}
@@ -64,7 +65,7 @@ class OpaqueCall:
     forward: Callable[..., Any]  # the module's own forward
     state_names: tuple[str, ...]  # parameters and buffers, the op's last arguments
     in_spec: pytree.TreeSpec  # of (args, kwargs)
-    consts: tuple[Any, ...]  # non-tensor leaves of the call (None where a tensor goes)
+    consts: tuple[Any, ...]  # the call's pytree leaves, `TENSOR` where a tensor goes
     seed: int
     name: str = ""
     out_spec: pytree.TreeSpec | None = None
@@ -83,7 +84,7 @@ class OpaqueCall:
     def run(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], pytree.TreeSpec, tuple[Any, ...]]:
         n = len(xs) - len(self.state_names)
         it = iter(xs[:n])
-        leaves = [next(it) if c is None else c for c in self.consts]
+        leaves = [next(it) if c is TENSOR else c for c in self.consts]
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
         with torch.random.fork_rng(devices=[]), \
                 _reparametrize_module(self.module, dict(zip(self.state_names, xs[n:])), tie_weights=True):
@@ -91,7 +92,7 @@ class OpaqueCall:
             out = self.forward(*args, **kwargs)
         leaves, spec = pytree.tree_flatten(out)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        consts = tuple(None if isinstance(t, torch.Tensor) else t for t in leaves)
+        consts = tuple(TENSOR if isinstance(t, torch.Tensor) else t for t in leaves)
         return tensors, spec, consts
 
     def vjp(self, grads: list[torch.Tensor], xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -109,7 +110,16 @@ class OpaqueCall:
         """Output shapes for these argument shapes, from real runs (see the module docstring)."""
         key = tuple((tuple(x.shape), x.dtype) for x in xs)
         if key not in self.shapes:
-            self.shapes[key] = _in_fresh_thread(self._probe, [(tuple(x.shape), x.dtype) for x in xs])
+            try:
+                self.shapes[key] = _in_fresh_thread(self._probe, [(tuple(x.shape), x.dtype) for x in xs])
+            except CaptureError:
+                raise
+            except Exception as e:
+                raise CaptureError(
+                    f"fallback: module {self.path!r} ({type(self.module).__name__}) has data-dependent shapes and was "
+                    f"to be captured as one opaque op, but running it for real at the captured shapes (random inputs) "
+                    f"failed: {type(e).__name__}: {e}. Make its forward depend on shapes only, or check that it runs "
+                    "on CPU tensors") from e
         return self.shapes[key]
 
     def _probe(self, metas: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -235,8 +245,8 @@ class OpaqueModules:
 
         def opaque_forward(*args: Any, **kwargs: Any) -> Any:
             leaves, spec = pytree.tree_flatten((args, kwargs))
-            consts = tuple(None if isinstance(t, torch.Tensor) else t for t in leaves)
-            key = (path, spec, repr(consts))
+            consts = tuple(TENSOR if isinstance(t, torch.Tensor) else t for t in leaves)
+            key = (path, spec, repr([c if c is not TENSOR else "<tensor>" for c in consts]))
             call = self.calls.get(key)
             self.used.add(key)
             if call is None:
@@ -249,7 +259,7 @@ class OpaqueModules:
             outs = call.op([t for t in leaves if isinstance(t, torch.Tensor)] + [state[n] for n in names])
             it = iter(outs)
             assert call.out_spec is not None  # set by the fake implementation's probe
-            return pytree.tree_unflatten([next(it) if c is None else c for c in call.out_consts], call.out_spec)
+            return pytree.tree_unflatten([next(it) if c is TENSOR else c for c in call.out_consts], call.out_spec)
 
         return opaque_forward
 

@@ -170,3 +170,31 @@ class Counting(nn.Module):
 def test_an_opaque_module_that_writes_its_buffers_is_refused():
     with pytest.raises(CaptureError, match=r"module 'route' \(Counting\) writes its 'hits' in forward"):
         capture(Net(Counting()), _data(), _loss, "sgd", fallback=True)
+
+
+class RouteWithNones(Route):
+    """Called with a None argument, returns a tuple with a None in it (as HF blocks do)."""
+
+    def forward(self, x, mask=None, scale=2.0):
+        assert mask is None
+        return super().forward(x) * scale, None
+
+
+class NetWithNones(Net):
+    def __init__(self) -> None:
+        super().__init__(RouteWithNones())
+
+    def forward(self, x):
+        h, nothing = self.route(torch.relu(self.inp(x)), mask=None)
+        assert nothing is None
+        return self.out(h)
+
+
+def test_none_arguments_and_outputs_pass_through_the_opaque_op():
+    torch.manual_seed(0)
+    net = NetWithNones()
+    program, warned = _capture(net)
+    assert len(warned) == 1 and "module 'route' (RouteWithNones)" in warned[0]
+    x, y = _data()
+    out = program.run({n: p.detach() for n, p in net.named_parameters()}, {}, (x, y))
+    assert torch.allclose(out[program.loss], _loss(net, x, y))
