@@ -233,16 +233,70 @@ def end_reshards(state: ShardingState) -> list[tuple[int, Sharding, Sharding]]:
     return [c for c in out if c[1] != c[2]]
 
 
+RELAYOUTS = frozenset({"reshape", "permute"})  # rules (rules/view.py) whose result holds the operand's elements
+
+
+def relayouts(program, rules) -> list[int]:
+    """Per value, the op that made it by re-laying out one operand (a view, reshape or transpose), or -1."""
+    out = [-1] * len(program.values)
+    for r in rules:
+        if r.name in RELAYOUTS and len(r.operands) == 1 and len(r.results) == 1:
+            out[r.results[0].value] = program.values[r.results[0].value].producer
+    return out
+
+
+def pull_back(rule, sh: Sharding) -> Sharding | None:
+    """The operand's sharding that a re-layout op `rule` turns into `sh` of its result (each tiled result dim
+    to the operand dim of its factor), or None when a tiled dim has no factor on the operand side."""
+    if sh.chunks:
+        return None
+    src, dst = rule.operands[0].dims, rule.results[0].dims
+    dims: list[tuple[str, ...]] = [() for _ in src]
+    for d, axes in enumerate(sh.dims):
+        if axes:
+            f = dst[d]
+            if f is None or f not in src:
+                return None
+            dims[src.index(f)] += axes
+    return Sharding(tuple(dims), sh.partial)
+
+
+def relayout_root(rules, relay: list[int], v: int, src: Sharding, dst: Sharding
+                  ) -> tuple[int, Sharding, Sharding]:
+    """(u, src', dst'): the reshard of `v` from `src` to `dst` as a reshard of the value `u` that `v` re-lays
+    out (through views and transposes): the same elements moved the same way. A program that gathers a value
+    and its transpose gathers once (GSPMD propagates one gathered copy to both; XLA's CSE merges the rest)."""
+    while (o := relay[v]) >= 0:
+        rule = rules[o]
+        s, d = pull_back(rule, src), pull_back(rule, dst)
+        if s is None or d is None:
+            break
+        v, src, dst = rule.operands[0].value, s, d
+    return v, src, dst
+
+
+def dedup_key(state: ShardingState, relay: list[int], v: int, src: Sharding, dst: Sharding) -> tuple[int, Sharding]:
+    """`lower`'s identity of a reshard: (value, dst), or (u, dst') when it re-lays out a value `u` that the
+    reshard moves from u's own sharding (`relayout_root`)."""
+    if relay[v] < 0:
+        return v, dst
+    u, s, d = relayout_root(state.rules, relay, v, src, dst)
+    return (u, d) if u != v and s == state.shard[u] else (v, dst)
+
+
 def lower(state: ShardingState) -> list[Collective]:
     """The collectives of `state`: each op's reshards (operands, then results) in op order, then the end of the
-    step; each (value, dst) once, owned by the first op that needs it."""
+    step; each reshard once (`dedup_key`: a value's, or its re-layout's, to one sharding), owned by the first
+    op that needs it."""
     out: list[Collective] = []
     seen: set[tuple[int, Sharding]] = set()
+    relay = relayouts(state.program, state.rules)
 
     def add(v: int, src: Sharding, dst: Sharding, op: int) -> None:
-        if (v, dst) in seen:
+        key = dedup_key(state, relay, v, src, dst)
+        if key in seen:
             return
-        seen.add((v, dst))
+        seen.add(key)
         steps, s, d = reshard(state, v, src, dst)
         for kind, axis, nbytes in steps:
             out.append(Collective.make(kind, axis, nbytes, v, op, s, d))

@@ -341,6 +341,26 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
                            "the plan was made for another model (search again)") from e
         rec.handles.append(mod.register_forward_hook(constrain_to(_spec(spec, len(spec)))))
 
+    def read_as(spec: tuple, shape: list[int] | None):
+        def hook(mod, args, kwargs):
+            slots = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            slots += [(k, a) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
+            hits = [(k, a) for k, a in slots if (list(a.shape) == shape if shape else a.dim() == len(spec))]
+            if len(hits) != 1:
+                return None
+            k, a = hits[0]
+            a = xs.mark_sharding_with_gradients(a, mesh, spec)
+            if isinstance(k, int):
+                return (*args[:k], a, *args[k + 1:]), kwargs
+            return args, {**kwargs, k: a}
+
+        return hook
+
+    in_shapes = plan.shapes.get("module_inputs", {})
+    for path, spec in plan.module_inputs.items():  # where the plan reshards a module's input on entry
+        rec.handles.append(model.get_submodule(path).register_forward_pre_hook(
+            read_as(_spec(spec, len(spec)), in_shapes.get(path)), with_kwargs=True))
+
     def grad_to(spec: tuple):
         def hook(g):
             xs.mark_sharding(g, mesh, spec)

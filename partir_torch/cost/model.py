@@ -55,7 +55,7 @@ from partir_torch.cost.hardware import Hardware, check_mesh
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Phase, Role
 from partir_torch.ir.sharding import Sharding
-from partir_torch.lower import Collective, op_needs, op_signatures, reshard
+from partir_torch.lower import Collective, op_needs, op_signatures, relayout_root, relayouts, reshard
 from partir_torch.propagate import ShardingState
 
 _VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.t.default", "aten.transpose.int",
@@ -229,6 +229,8 @@ class _Static:
         self.nbytes_val = np.array([math.prod(v.shape) * v.dtype.itemsize for v in vals], dtype=np.int64)
         kinds: dict[tuple, int] = {}
         self.vkind = [kinds.setdefault((v.shape, v.dtype.itemsize), len(kinds)) for v in vals]
+        self.relay = relayouts(program, rules)  # lower.dedup_key: a re-layout's reshard is its operand's
+        self.relaid = np.array([o >= 0 for o in self.relay], dtype=bool)
 
         # memory: aliasing (views), last uses, fold weights, lifetimes; all independent of the sharding
         root = list(range(n_vals))
@@ -393,6 +395,7 @@ class _Memo:
         self.slot_pair = np.full(st.n_slots, -1, dtype=np.int64)  # from << 32 | to
         self.slot_move = np.full(st.n_slots, -1, dtype=np.int64)
         self.colls: dict[tuple[int, int], tuple[Collective, ...]] = {}  # (slot, move) -> collectives
+        self.roots: dict[tuple[int, int, int], tuple[int, int, int]] = {}  # lower.relayout_root, as sharding ids
         self.slot_colls: list[tuple[Collective, ...]] = [()] * st.n_slots
         self.colls_move = np.full(st.n_slots, -1, dtype=np.int64)
         self.rows: dict[tuple[str, str, int], int] = {}
@@ -659,7 +662,24 @@ def _winners(state: ShardingState, st: _Static, memo: _Memo, cache: _Cache) -> t
         slots = mm[stale]
         memo.slot_move[slots] = memo.move_ids(state, st, slots.tolist(), src[stale].tolist(), dst[stale].tolist())
         memo.slot_pair[slots] = pair[stale]
-    keys = st.slot_val[mm] * len(st.sh_list) + dst  # (value, to): the first slot of each (np.unique's index)
+    vals = st.slot_val[mm]
+    relaid = np.flatnonzero(st.relaid[vals])
+    if len(relaid):  # lower.dedup_key: (u, to') for a re-layout of u moved from u's own sharding
+        roots, rules, sh = memo.roots, state.rules, st.sh_list
+        found = []
+        for v, a, b in zip(vals[relaid].tolist(), src[relaid].tolist(), dst[relaid].tolist()):
+            hit = roots.get((v, a, b))
+            if hit is None:
+                u, s2, d2 = relayout_root(rules, st.relay, v, sh[a], sh[b])
+                hit = roots[(v, a, b)] = (u, st.sid(s2), st.sid(d2))
+            found.append(hit)
+        u, s2, d2 = np.array(found, dtype=np.int64).T
+        same = sid[u] == s2
+        vals = vals.copy()
+        dst = dst.copy()
+        vals[relaid[same]] = u[same]
+        dst[relaid[same]] = d2[same]
+    keys = vals * len(st.sh_list) + dst  # (value, to): the first slot of each (np.unique's index)
     order = np.argsort(keys, kind="stable")
     sk = keys[order]
     keep = np.empty(len(sk), dtype=bool)
