@@ -32,7 +32,7 @@ class PlanSpecs:
     optimizer_state: dict[str, dict[str, Spec]]  # per parameter, per per-parameter state
     activations: dict[str, Spec] = field(default_factory=dict)  # module path -> spec of its output
     grads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec of its gradient
-    module_inputs: dict[str, Spec] = field(default_factory=dict)  # module path -> spec it reads its input in
+    module_inputs: dict[str, list] = field(default_factory=dict)  # module path -> [input spec, its gradient's or None]
 
 
 def _forward_modules(program) -> tuple[dict[str, list[int]], dict[str, int]]:
@@ -79,8 +79,9 @@ def module_outputs(program) -> dict[str, int]:
     return {p: v for p, v in out.items() if calls.get(p, 1) <= 1}
 
 
-def module_inputs(state: ShardingState) -> dict[str, tuple[int, Sharding]]:
-    """{module path: (its input value, the sharding the module reads it in)} where the plan reshards a module's
+def module_inputs(state: ShardingState) -> dict[str, tuple[int, Sharding, Sharding | None]]:
+    """{module path: (its input value, the sharding the module reads it in, the sharding of the gradient it
+    sends back for it or None)} where the plan reshards a module's
     one outside input as the module's first step: `lower` reshards the input (or a same-size single-operand
     view of it, the sharding then taken back to the input's dims) at every use inside the module, all to the
     same sharding. A backend constrains the module's input to it, so that the engine reshards where the cost
@@ -91,7 +92,7 @@ def module_inputs(state: ShardingState) -> dict[str, tuple[int, Sharding]]:
     program = state.program
     ops_of, calls = _forward_modules(program)
     producer = {v: op.id for op in program.ops for v in op.outputs if v >= 0}
-    out: dict[str, tuple[int, Sharding]] = {}
+    out: dict[str, tuple[int, Sharding, Sharding | None]] = {}
     for path, ids in ops_of.items():
         if calls.get(path, 1) > 1:
             continue
@@ -103,8 +104,39 @@ def module_inputs(state: ShardingState) -> dict[str, tuple[int, Sharding]]:
         v = outer.pop()
         need = _read_as(state, v, inside)
         if need is not None and need != state.shard[v]:
-            out[path] = (v, need)
+            out[path] = (v, need, _grad_read_as(state, v, path))
     return out
+
+
+def _grad_read_as(state: ShardingState, v: int, path: str) -> Sharding | None:
+    """The sharding of the gradient the module at `path` sends back for its input `v`: the one value of v's
+    shape that its backward ops make and ops outside them use, as they make it, or, when that is a pending
+    sum, as its first user reads it (reduce-scattered there: the tiled form); None when that is not one
+    value or stays a sum."""
+    from partir_torch.ir.program import Phase, Role
+    from partir_torch.lower import op_shardings, required_operand
+
+    program = state.program
+    sub = path + "."
+    mine = {op.id for op in program.ops if op.phase is Phase.BACKWARD and op.module
+            and (op.module == path or op.module.startswith(sub))}
+    shape = program.values[v].shape
+    users = program.users
+    sent = {w for o in mine for w in program.ops[o].outputs if w >= 0 and program.values[w].role is Role.ACTIVATION
+            and program.values[w].shape == shape and any(u not in mine for u in users[w])}
+    if len(sent) != 1:
+        return None
+    g = sent.pop()
+    maker = program.values[g].producer
+    made = op_shardings(state, maker)[1][[t.value for t in state.rules[maker].results].index(g)]
+    first = min(u for u in users[g] if u not in mine)
+    rule = state.rules[first]
+    slot = next((i for i, t in enumerate(rule.operands) if t.value == g), None)
+    read = required_operand(state, first, slot) if slot is not None else state.shard[g]
+    for sh in (made, read):
+        if not sh.partial and not sh.chunks:
+            return sh
+    return None
 
 
 def _read_as(state: ShardingState, v: int, inside: set[int]) -> Sharding | None:
@@ -194,8 +226,8 @@ def specs(state: ShardingState) -> PlanSpecs:
         {k.removesuffix("."): spec for path, v in module_outputs(p).items()
          for k in full_names(path + ".", fold) for spec in [state.shard[v].to_spec()]},
         expand({n: state.shard[v].to_spec() for n, v in p.grads.items()}),
-        {k.removesuffix("."): need.to_spec() for path, (_, need) in module_inputs(state).items()
-         for k in full_names(path + ".", fold)},
+        {k.removesuffix("."): [need.to_spec(), grad.to_spec() if grad is not None else None]
+         for path, (_, need, grad) in module_inputs(state).items() for k in full_names(path + ".", fold)},
     )
 
 
@@ -225,7 +257,7 @@ class ShardingPlan:
     buffers: dict[str, Spec] = field(default_factory=dict)
     activations: dict[str, Spec] = field(default_factory=dict)  # module path -> spec of its output
     grads: dict[str, Spec] = field(default_factory=dict)
-    module_inputs: dict[str, Spec] = field(default_factory=dict)  # module path -> spec it reads its input in
+    module_inputs: dict[str, list] = field(default_factory=dict)  # module path -> [input spec, its gradient's or None]
     shapes: dict[str, Any] = field(default_factory=dict)  # {"params": {n: shape}, "buffers": ..., "inputs": [...]}
     input_args: list[int | str | None] = field(default_factory=list)  # forward argument of each input
     optimizer: str | None = None
@@ -240,7 +272,7 @@ class ShardingPlan:
                   "buffers": expand({n: list(p.values[v].shape) for n, v in p.buffers.items()}),
                   "inputs": [list(p.values[v].shape) for v in p.inputs],
                   "module_inputs": {k.removesuffix("."): list(p.values[v].shape)
-                                    for path, (v, _) in module_inputs(state).items()
+                                    for path, (v, _, _) in module_inputs(state).items()
                                     for k in full_names(path + ".", p.fold)}}
         return cls(dict(state.mesh.axes), sp.params, sp.inputs, sp.optimizer_state, cost.to_json(), schedule,
                    hardware, sorted(dcn_axes), [c.describe(p) for c in state.conflicts], search,
