@@ -153,9 +153,6 @@ def slots(program: Program) -> list[Slot]:
     weight matrices) gets no slot of its own: deciding it moves the cost by little, while every slot
     multiplies the tree's branching; it is still sharded wherever propagation carries a decision to it.
     """
-    cached = getattr(program, "_search_slots", None)
-    if cached is not None:
-        return cached
     out = [Slot(program.values[v].name, v, "input") for v in program.inputs if program.values[v].shape]
     grouped: set[str] = set()
     params: list[Slot] = []
@@ -169,8 +166,15 @@ def slots(program: Program) -> list[Slot]:
     if program.opt_states:
         out += [Slot(s.target, s.value, "optimizer") for s in list(out) if s.kind == "param"
                 and program.values[s.value].name in program.opt_states]
-    program._search_slots = out  # type: ignore[attr-defined]
     return out
+
+
+def state_slots(state: ShardingState) -> list[Slot]:
+    """`slots` of the state's program, computed once per analysis (`Analysis.search_slots`)."""
+    an = state.analysis
+    if an.search_slots is None:
+        an.search_slots = slots(an.program)
+    return an.search_slots
 
 
 def _fits(state: ShardingState, v: int, dim: int, axis: str) -> bool:
@@ -193,7 +197,7 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
     illegal ones.
     """
     if not prune:
-        return _all_actions(state.program, axes, kinds)
+        return _all_actions(state, axes, kinds)
     out: list[Action] = []
     p = state.program
     if "optimizer" in kinds and p.opt_states:  # the whole-model ZeRO move, as the expert tactic does it
@@ -202,7 +206,7 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
         if free:  # and legal: some parameter's state (and, stage 3, the parameter) still divides
             out += [ShardOptimizer("*", -1, axis, stage) for axis in axes for stage in (1, 3)
                     if _zero_all(state, axis, stage, first=True)]
-    for s in slots(p):
+    for s in state_slots(state):
         if s.kind not in kinds:
             continue
         st = ([v for n, v in p.opt_states[p.values[s.value].name].items() if n not in p.shared_states]
@@ -222,12 +226,13 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
     return out
 
 
-def _all_actions(p: Program, axes: tuple[str, ...], kinds: frozenset[str]) -> list[Action]:
+def _all_actions(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str]) -> list[Action]:
     """Every syntactically possible action on `axes` for slots of `kinds`: what `candidates` prunes from."""
     out: list[Action] = []
+    p = state.program
     if "optimizer" in kinds and p.opt_states:
         out += [ShardOptimizer("*", -1, axis, stage) for axis in axes for stage in (1, 3)]
-    for s in slots(p):
+    for s in state_slots(state):
         if s.kind not in kinds:
             continue
         for axis in axes:
@@ -245,9 +250,7 @@ def decided_bytes(state: ShardingState, action: Action) -> int:
     tile decides, through propagation, the activations computed from it, which its own bytes do not measure,
     so it counts the program's activation bytes on top of its own (inputs come first, larger first)."""
     p = state.program
-    cache = getattr(p, "_decided_bytes", None)
-    if cache is None:
-        cache = p._decided_bytes = {}  # type: ignore[attr-defined]
+    cache = state.analysis.decided_bytes
     key = (action.target, isinstance(action, ShardOptimizer) and action.stage)
     got = cache.get(key)
     if got is None:
@@ -291,10 +294,7 @@ def rank(program: Program, action: Action) -> int:
     `TileLate`, offered once an input's tile uses the axis."""
     if isinstance(action, ShardOptimizer | TileLate):
         return 2
-    names = getattr(program, "_input_names", None)
-    if names is None:
-        names = program._input_names = frozenset(program.values[v].name for v in program.inputs)  # type: ignore[attr-defined]
-    return 1 if action.target in names else 0
+    return 1 if action.target in program.input_names else 0
 
 
 def place(program: Program, actions, action: Action | int) -> int:
