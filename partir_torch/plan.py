@@ -9,7 +9,6 @@ to minor). `ShardingPlan.to_json()` keeps at least `mesh.axes`, `params`, `input
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,6 +18,8 @@ from typing import Any
 from partir_torch.capture.fold import full_names
 from partir_torch.cost.hardware import format_bytes
 from partir_torch.errors import PartirError
+from partir_torch.ir.mesh import Mesh
+from partir_torch.ir.sharding import divides, tile_count
 from partir_torch.propagate import ShardingState
 
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
@@ -90,8 +91,8 @@ def divisibility(what: str, shape: tuple[int, ...], spec: Spec, mesh: dict[str, 
         if unknown:
             out.append(f"{what} dim {d} is tiled over {unknown}, which the mesh {mesh} does not have")
             continue
-        k = math.prod(mesh[a] for a in axes)
-        if shape[d] % k:
+        k = tile_count(Mesh.of(mesh), axes)
+        if not divides(shape[d], Mesh.of(mesh), axes):
             out.append(f"{what} dim {d} (size {shape[d]}) does not divide over {axes} ({k} devices)")
     return out
 

@@ -28,7 +28,7 @@ from partir_torch.errors import IllegalActionError, PartirError
 from partir_torch.ir.actions import Replicate, Tile
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Program
-from partir_torch.ir.sharding import Sharding
+from partir_torch.ir.sharding import Sharding, divides, tile_count
 from partir_torch.rules.base import OpRule
 
 
@@ -259,12 +259,11 @@ class ShardingState:
             if f in rule.replicate:
                 self._conflict(o, axis, f"factor {rule.letters[f]!r} needs replication", tuple(vals))
                 return []
-            k = self.mesh.size(axis)
-            for ax in self.assign[o].get(f, ()):
-                k *= self.mesh.size(ax)
+            axes = (*self.assign[o].get(f, ()), axis)
             values = self.program.values
             for v, d in carriers.get(f, ()):
-                if values[v].shape[d] % k:
+                if not divides(values[v].shape[d], self.mesh, axes):
+                    k = tile_count(self.mesh, axes)
                     self._conflict(o, axis, f"factor {rule.letters[f]!r} of {values[v].name} "
                                    f"{list(values[v].shape)} does not divide by {k}", (v,))
                     return []

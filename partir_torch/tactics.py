@@ -36,6 +36,7 @@ from partir_torch.errors import IllegalActionError, PartirError
 from partir_torch.ir.actions import Tile
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Phase, Program, Role
+from partir_torch.ir.sharding import divides, tile_count
 from partir_torch.propagate import ShardingState
 from partir_torch.rules.tables import LINEAR, PAIR_STOPS, TRANSPOSES
 
@@ -201,11 +202,9 @@ class Megatron(_OnOneAxis):
 
 def _why(state: ShardingState, v: int, d: int, axis: str) -> str:
     """Why `v` could not be tiled on `axis` along `d`, and what would help."""
-    val, k = state.program.values[v], state.mesh.size(axis)
-    n = val.shape[d]
-    for a in state.shard[v].dims[d]:
-        k *= state.mesh.size(a)
-    if n % k:
+    val, n = state.program.values[v], state.program.values[v].shape[d]
+    k = tile_count(state.mesh, (*state.shard[v].dims[d], axis))
+    if not divides(n, state.mesh, (*state.shard[v].dims[d], axis)):
         return (f"{val.name} dim {d} has size {n}, not divisible by {k} (axis {axis!r}); use a size divisible by "
                 f"{k} (e.g. {n + (-n) % k}) or a smaller axis")
     if axis in state.locked[v]:
@@ -217,12 +216,8 @@ def _free_dim(state: ShardingState, v: int, axis: str) -> int | None:
     val, sh = state.program.values[v], state.shard[v]
     if axis in sh.axes:
         return None
-    k = state.mesh.size(axis)
     for d, size in enumerate(val.shape):
-        n = k
-        for a in sh.dims[d]:
-            n *= state.mesh.size(a)
-        if size % n == 0 and size >= n:
+        if divides(size, state.mesh, (*sh.dims[d], axis)):
             return d
     return None
 

@@ -20,6 +20,7 @@ np.cumsum (sequential), so the figures are those of that loop, to the bit.
 from __future__ import annotations
 
 import gc
+import math
 
 import numpy as np
 
@@ -68,7 +69,7 @@ def _refresh(state: ShardingState, st: Static, memo: Memo) -> Cache:
             cache = cache.clone()
         else:  # only this state's line of records leads through it: bring it up to date in place
             del caches[node]
-    vals, shard, size = program.values, state.shard, memo.size
+    vals, shard, mesh = program.values, state.shard, state.mesh
 
     # per value: sharding id and local bytes
     if dirty_values:
@@ -80,11 +81,7 @@ def _refresh(state: ShardingState, st: Static, memo: Memo) -> Cache:
             new = {k: v for k, v, i in zip(keys, vl, ids) if i is None}  # each new key once
             for k, v in new.items():
                 sh = shard[v]
-                n = 1
-                for d, axes in zip(vals[v].shape, sh.dims):  # Sharding.local_shape
-                    for ax in axes:
-                        d //= size[ax]
-                    n *= d
+                n = math.prod(sh.local_shape(vals[v].shape, mesh))
                 val_memo[k] = len(memo.v_py)
                 memo.v_py.append((st.sid(sh), n * vals[v].dtype.itemsize))
                 memo.v_sid.append(memo.v_py[-1][0])
@@ -113,7 +110,7 @@ def _refresh(state: ShardingState, st: Static, memo: Memo) -> Cache:
             rules, ops, sid_of = state.rules, program.ops, st.sid_of
             for k, o in new.items():
                 a = assign[o]
-                flops, nbytes = op_compute(ops[o].target, st.tensors[o], a, size)
+                flops, nbytes = op_compute(ops[o].target, st.tensors[o], a, mesh)
                 entries[k] = len(memo.e_py)
                 needs = op_needs(rules[o], a, passthrough[o])
                 memo.e_py.append((flops, nbytes, tuple([sid_of(d, p, c) for d, p, c in needs])))

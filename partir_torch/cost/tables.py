@@ -16,7 +16,7 @@ from partir_torch.cost.hardware import Hardware
 from partir_torch.cost.report import FLOP_TARGETS, KINDS, op_flops
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Phase, Role
-from partir_torch.ir.sharding import Sharding
+from partir_torch.ir.sharding import Sharding, local_dim
 from partir_torch.lower import Collective, op_signatures, reshard
 from partir_torch.propagate import Changes, ShardingState
 from partir_torch.rules.tables import ATTENTION, VIEWS
@@ -96,7 +96,7 @@ class Static:
         self.flops0 = np.zeros(n_ops, dtype=np.float64)
         self.nbytes0 = np.zeros(n_ops, dtype=np.float64)
         for o in range(n_ops):
-            self.flops0[o], self.nbytes0[o] = op_compute(ops[o].target, self.tensors[o], {}, {})
+            self.flops0[o], self.nbytes0[o] = op_compute(ops[o].target, self.tensors[o], {}, None)
         self.sid0 = np.array([self.sid(Sharding.replicated(len(v.shape))) for v in vals], dtype=np.int64)
         need0 = [self.sid(Sharding.replicated(len(t.dims))) for r in rules for t in (*r.operands, *r.results)]
         need0 += [self.sid0[old] if old >= 0 else self.sid(Sharding.replicated(0)) for _, old in self.ends]
@@ -365,7 +365,7 @@ def tables(state: ShardingState) -> tuple[Static, Memo]:
     return st, memo
 
 
-def op_compute(target: str, tensors, a: dict, size: dict[str, int]) -> tuple[float, int]:
+def op_compute(target: str, tensors, a: dict, mesh: Mesh | None) -> tuple[float, int]:
     """(flops, bytes read + written) of an op on its local shapes under factor assignment `a`."""
     is_flop, operands, results = tensors
     shapes = []
@@ -373,14 +373,8 @@ def op_compute(target: str, tensors, a: dict, size: dict[str, int]) -> tuple[flo
     for group in (operands, results):
         local = []
         for _v, fdims, shape, itemsize in group:
-            if a:
-                loc = []
-                for s, f in zip(shape, fdims):  # Sharding.local_shape of the required sharding
-                    if f is not None:
-                        for ax in a.get(f, ()):
-                            s //= size[ax]
-                    loc.append(s)
-                loc = tuple(loc)
+            if a:  # the local shape of the sharding the op needs
+                loc = tuple([s if f is None or f not in a else local_dim(s, mesh, a[f]) for s, f in zip(shape, fdims)])
             else:
                 loc = shape[: len(fdims)]
             nbytes += math.prod(loc) * itemsize

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from partir_torch.errors import IllegalActionError
 from partir_torch.ir.actions import Tile
 from partir_torch.ir.program import Phase, Program, Role
+from partir_torch.ir.sharding import divides
 from partir_torch.propagate import ShardingState
 
 
@@ -181,10 +182,7 @@ def _fits(state: ShardingState, v: int, dim: int, axis: str) -> bool:
     val, sh = state.program.values[v], state.shard[v]
     if axis in sh.axes or axis in state.locked[v]:
         return False
-    k = state.mesh.size(axis)
-    for a in sh.dims[dim]:
-        k *= state.mesh.size(a)
-    return val.shape[dim] % k == 0 and val.shape[dim] >= k
+    return divides(val.shape[dim], state.mesh, (*sh.dims[dim], axis))
 
 
 def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str], *,
