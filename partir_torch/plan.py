@@ -236,19 +236,6 @@ class ShardingPlan:
         if problems:
             raise PlanMismatchError("the plan does not fit this model:\n  - " + "\n  - ".join(problems))
 
-    def input_sharding(self, i: int):
-        """torch_xla's sharding of input `i` (for `MpDeviceLoader(..., input_sharding=...)`)."""
-        from partir_torch.backends import xla
-
-        return xla.input_sharding(self, i)
-
-    def verify(self, model, example_inputs, **kwargs):
-        """Compile the step as `auto_shard` applies this plan and compare XLA's collectives and memory with
-        the prediction (`partir_torch.backends.verify.verify`)."""
-        from partir_torch.backends.verify import verify
-
-        return verify(self, model, example_inputs, **kwargs)
-
     def table(self, top: int = 20) -> str:
         """Sharded parameters, one line each, then the cost: readable in a terminal."""
         sharded = [(n, s) for n, s in self.params.items() if any(x is not None for x in s)]
