@@ -93,8 +93,8 @@ def test_no_attributes_are_patched_onto_other_objects():
     """Caches are declared fields of their owner (`analysis.Analysis`), not attributes set from outside."""
     bad = [f"{f.relative_to(PKG.parent)}:{i}" for f in _files()
            for i, line in enumerate(f.read_text().splitlines(), 1)
-           if "type: ignore[attr-defined]" in line or "__dict__.update(" in line and "self.__dict__" not in line
-           and "c.__dict__" not in line]
+           if "type: ignore[attr-defined]" in line or ("__dict__.update(" in line and "self.__dict__" not in line
+           and "c.__dict__" not in line)]
     assert not bad, f"attributes set on another module's objects: {bad}"
 
 
