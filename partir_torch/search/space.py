@@ -17,9 +17,8 @@ where it is used and its gradient reduce-scattered, exactly as `tactics.ZeRO` do
 A plan is an action list in canonical order (`rank`, `Plans`): parameter tiles, then input tiles, then ZeRO
 moves and late parameter tiles (`TileLate`), each kind in the order chosen. Order is priority, so a search that
 appends would need to pick a layer's tile before the batch split for that layer to run model-parallel on the
-batch axis, and could not add it once the split is made: on the U-Net ({batch: 8}), whose good plans tile
-several low-resolution layers so, 5 seeds of 10 s ended 0.790-0.935 x the best expert that way and
-0.773-0.786 placed (`benchmarks/search.py`, docs/search.md). A plan's candidates are judged where each would go
+batch axis, and could not add it once the split is made: the U-Net's good plans tile several
+low-resolution layers so (measured in docs/search.md, "Why the canonical order"). A plan's candidates are judged where each would go
 (`Plans.candidates`), and adding one replays only the actions after its place.
 """
 
@@ -288,7 +287,7 @@ def rank(program: Program, action: Action) -> int:
     ZeRO move fences every use of the parameters on its axis. Applied in this order, a layer tiled on the
     batch axis is that layer's model parallelism, with the rest of the network batch-parallel around it (the
     U-Net's mixed plans), whenever the search picks the layer. A layer tiled after the batch split is
-    another decision, storage (GPT 6.7B's embedding on S2: 0.831 x the expert with it, 0.881 placed): that is
+    another decision, storage (GPT 6.7B's embedding on S2, docs/search.md): that is
     `TileLate`, offered once an input's tile uses the axis."""
     if isinstance(action, ShardOptimizer | TileLate):
         return 2
