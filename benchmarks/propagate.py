@@ -50,7 +50,7 @@ def measure(program, args, models, Mesh, Tile, lower, ShardingState, program_rul
     gc.collect()
     gc.freeze()
     t = time.perf_counter()
-    program_rules(program)
+    program_rules(program, mesh)
     rules_s = time.perf_counter() - t
     one = Tile("h.*.mlp.c_fc.weight", 0, "model")
     plan = [Tile("inputs[0]", 0, "batch"), Tile("h.*.mlp.c_fc.weight", 0, "model"), Tile("h.*.attn.c_attn.weight", 0, "model")]

@@ -172,11 +172,11 @@ class AutoShardStrategy(SingleDeviceStrategy):
         module.print(f"partir_torch: {type(module).__name__} sharded over {m}\n{plan.table()}")
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        import torch_xla
+        from partir_torch.backends import xla
 
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         optimizer.zero_grad(set_to_none=True)  # gradients are temporaries of the step, not graph outputs
-        torch_xla.sync()
+        xla.sync()
         return out
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.sharding import Sharding
-from partir_torch.propagate import ShardingState
+from partir_torch.propagate import MOVES, ShardingState
 
 
 @dataclass(frozen=True)
@@ -153,25 +153,23 @@ def op_needs(rule, a: dict, pt: frozenset[str]) -> list[tuple[tuple[tuple[str, .
 def op_signatures(state: ShardingState) -> list[int]:
     """Per op, an id equal for ops whose rules give the same shardings under the same assignment (the
     factors each tensor carries, reductions, partialized operands): the repeated layers' ops share one."""
-    program = state.program
-    sigs = getattr(program, "_lower_sigs", None)
+    an = state.analysis
+    sigs = an.lower_sigs
     if sigs is None:
         ids: dict[tuple, int] = {}
-        sigs = [ids.setdefault((tuple((t.dims, t.chunks) for t in r.operands),
-                                tuple((t.dims, t.chunks) for t in r.results), r.partialize,
-                                r.reduced), len(ids)) for r in state.rules]
-        program._lower_sigs = sigs  # type: ignore[attr-defined]
-        program._lower_memo = {}  # type: ignore[attr-defined]
+        sigs = an.lower_sigs = [ids.setdefault((tuple((t.dims, t.chunks) for t in r.operands),
+                                                 tuple((t.dims, t.chunks) for t in r.results), r.partialize,
+                                                 r.reduced), len(ids)) for r in an.rules]
     return sigs
 
 
 def op_shardings(state: ShardingState, o: int) -> tuple[tuple[Sharding, ...], tuple[Sharding, ...]]:
-    """(`required_operand` of each operand, `op_output` of each result) of op `o`, memoized per program by
+    """(`required_operand` of each operand, `op_output` of each result) of op `o`, memoized per analysis by
     (op signature, assignment, passed-through sums)."""
     sig = op_signatures(state)[o]
     a, pt = state.assign[o], state.passthrough[o]
     key = (sig, tuple(a.items()), pt)
-    memo = state.program._lower_memo  # type: ignore[attr-defined]
+    memo = state.analysis.lower_memo
     hit = memo.get(key)
     if hit is None:
         rule = state.rules[o]
@@ -206,15 +204,10 @@ def op_reshards(state: ShardingState, o: int) -> list[tuple[int, Sharding, Shard
 
 def reshard(state: ShardingState, v: int, src: Sharding, dst: Sharding
             ) -> tuple[tuple[tuple[str, str, int], ...], str, str]:
-    """(`transitions` of value `v` from `src` to `dst`, str(src), str(dst)), memoized per program and mesh
-    (by shape, itemsize and the two shardings)."""
+    """(`transitions` of value `v` from `src` to `dst`, str(src), str(dst)), memoized per analysis (program
+    and mesh) by shape, itemsize and the two shardings."""
     program, mesh = state.program, state.mesh
-    memos = getattr(program, "_reshard_memo", None)
-    if memos is None:
-        memos = program._reshard_memo = {}  # type: ignore[attr-defined]
-    memo = memos.get(mesh)
-    if memo is None:
-        memo = memos[mesh] = {}
+    memo = state.analysis.reshard_memo
     val = program.values[v]
     key = (val.shape, val.dtype.itemsize, src, dst)
     hit = memo.get(key)
@@ -233,14 +226,11 @@ def end_reshards(state: ShardingState) -> list[tuple[int, Sharding, Sharding]]:
     return [c for c in out if c[1] != c[2]]
 
 
-RELAYOUTS = frozenset({"reshape", "permute"})  # rules (rules/view.py) whose result holds the operand's elements
-
-
 def relayouts(program, rules) -> list[int]:
     """Per value, the op that made it by re-laying out one operand (a view, reshape or transpose), or -1."""
     out = [-1] * len(program.values)
     for r in rules:
-        if r.name in RELAYOUTS and len(r.operands) == 1 and len(r.results) == 1:
+        if r.name in MOVES and len(r.operands) == 1 and len(r.results) == 1:
             out[r.results[0].value] = program.values[r.results[0].value].producer
     return out
 

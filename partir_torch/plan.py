@@ -9,7 +9,6 @@ to minor). `ShardingPlan.to_json()` keeps at least `mesh.axes`, `params`, `input
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,7 +18,8 @@ from typing import Any
 from partir_torch.capture.fold import full_names
 from partir_torch.cost.hardware import format_bytes
 from partir_torch.errors import PartirError
-from partir_torch.ir.sharding import Sharding
+from partir_torch.ir.mesh import Mesh
+from partir_torch.ir.sharding import Sharding, divides, tile_count
 from partir_torch.propagate import ShardingState
 
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
@@ -206,8 +206,8 @@ def divisibility(what: str, shape: tuple[int, ...], spec: Spec, mesh: dict[str, 
         if unknown:
             out.append(f"{what} dim {d} is tiled over {unknown}, which the mesh {mesh} does not have")
             continue
-        k = math.prod(mesh[a] for a in axes)
-        if shape[d] % k:
+        k = tile_count(Mesh.of(mesh), axes)
+        if not divides(shape[d], Mesh.of(mesh), axes):
             out.append(f"{what} dim {d} (size {shape[d]}) does not divide over {axes} ({k} devices)")
     return out
 
@@ -359,19 +359,6 @@ class ShardingPlan:
                     problems += divisibility(f"input {i}", tuple(x.shape), self.inputs[i], self.mesh)
         if problems:
             raise PlanMismatchError("the plan does not fit this model:\n  - " + "\n  - ".join(problems))
-
-    def input_sharding(self, i: int):
-        """torch_xla's sharding of input `i` (for `MpDeviceLoader(..., input_sharding=...)`)."""
-        from partir_torch.backends import xla
-
-        return xla.input_sharding(self, i)
-
-    def verify(self, model, example_inputs, **kwargs):
-        """Compile the step as `auto_shard` applies this plan and compare XLA's collectives and memory with
-        the prediction (`partir_torch.backends.verify.verify`)."""
-        from partir_torch.backends.verify import verify
-
-        return verify(self, model, example_inputs, **kwargs)
 
     def table(self, top: int = 20) -> str:
         """Sharded parameters, one line each, then the cost: readable in a terminal."""

@@ -604,3 +604,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, batc
     optimizer.zero_grad(set_to_none=True)
     torch_xla.sync()
     return loss.detach()
+
+
+def sync() -> None:
+    """Run the pending XLA graph (`torch_xla.sync()`), for callers outside the backends."""
+    import torch_xla
+
+    torch_xla.sync()

@@ -94,14 +94,12 @@ _PARAM_IN_NAME = re.compile(r"\[([^\]]+)\]$")
 def weights(program: Program) -> tuple[list[int], list[int]]:
     """(per-op weight, per-value weight of the element it belongs to) that turn folded costs into full-model
     costs; all ones for a program captured without folding. Which values count with their weight in
-    memory (those that outlive their phase) depends on aliasing, so the cost model decides that."""
+    memory (those that outlive their phase) depends on aliasing, so the cost model decides that. Computed
+    anew on each call: the cost model keeps its result in its tables (`cost.tables.Static`)."""
     fold: dict[str, int] = getattr(program, "fold", None) or {}
     n_ops, n_vals = len(program.ops), len(program.values)
     if not fold:
         return [1] * n_ops, [1] * n_vals
-    cached = getattr(program, "_fold_weights", None)
-    if cached is not None:
-        return cached
     vals, ops = program.values, program.ops
     own = [1] * n_vals  # the weight of the element a value belongs to
     for v in vals:
@@ -126,7 +124,6 @@ def weights(program: Program) -> tuple[list[int], list[int]]:
         for o in op.outputs:
             if o >= 0:
                 own[o] = max(own[o], w) if vals[o].role is Role.GRADIENT else w
-    program._fold_weights = (op_w, own)  # type: ignore[attr-defined]
     return op_w, own
 
 

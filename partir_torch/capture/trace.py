@@ -196,7 +196,7 @@ def capture(
     in_roles += [(Role.OPT_STATE, f"opt.{s}") for s in shared]
     in_roles += [(Role.OPT_STATE, f"opt.{s}[{n}]") for n in updated for s in states[n]]
     in_roles += [(Role.INPUT, f"inputs[{i}]") for i in range(len(inputs))]
-    program = _to_program(gm, in_roles, out_roles, mode)
+    program = to_program(gm, in_roles, out_roles, mode)
     program.params = {n: i for i, n in enumerate(names)}
     program.buffers = {n: n_p + i for i, n in enumerate(bnames)}
     k = n_p + n_b
@@ -375,7 +375,7 @@ def _tag_backward(loss: torch.Tensor) -> None:
 
 
 # -- FX graph -> Program -----------------------------------------------------------------------------------
-def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Program:
+def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Program:
     values: list[Value] = []
     ops: list[Op] = []
     env: dict[torch.fx.Node, Any] = {}  # node -> value id, or tuple of value ids for multi-output ops
@@ -477,7 +477,7 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
             updates[vid] = src
 
     if mode == "train":
-        _assign_phases(ops, values, outputs)
+        assign_phases(ops, values, outputs)
     program = Program(values, ops, {}, {}, [], {}, {}, updates, outputs, None, [], mode, None, graph_module=gm)
     program.constants = constants
     program.n_graph_outputs = len(out_args)
@@ -498,7 +498,7 @@ def _user_line(stack_trace: str | None) -> str | None:
     return found
 
 
-def _assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> None:
+def assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> None:
     """Forward = ancestors of the loss; backward = other ancestors of the gradients; the rest optimizer."""
 
     def ancestors(roots: list[int]) -> set[int]:

@@ -211,7 +211,7 @@ def test_a_smaller_batch_that_still_divides_is_sharded_as_planned_with_a_warning
         torch_xla.sync()
     assert "input 0 has shape [4, 16], the plan was made for [8, 16]: sharded as planned" in caplog.text
     assert float(loss.detach()) == pytest.approx(float(tagger_loss(ref, *small).detach()), rel=1e-5)
-    spec = plan.input_sharding(0)
+    spec = partir_torch.input_sharding(plan, 0)
     assert spec.partition_spec == ("batch", None) and spec.can_apply(batch[0])
     partir_torch.unshard(model)
 
