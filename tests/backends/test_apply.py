@@ -242,3 +242,17 @@ def test_without_torch_xla_the_error_says_how_to_install_the_pinned_pair(monkeyp
     with pytest.raises(PartirError, match=r"torch_xla is not installed .*torch-xla==2.9.0"):
         partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=torch.optim.SGD(model.parameters()))
     assert next(model.parameters()).device.type == "cpu"
+
+
+@pytest.mark.parametrize("shape,groups", [((4, 8, 5, 5), 4), ((2, 6, 7), 3), ((3, 4), 2)])
+def test_the_norm_lowerings_compute_what_torch_does(shape, groups):
+    """The lowerings `shard_module` runs instead of torch_xla's batch-norm forms are the same math."""
+    from partir_torch.backends.xla import _group_norm, _layer_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=torch.float64)
+    w, b = torch.randn(shape[1], dtype=torch.float64), torch.randn(shape[1], dtype=torch.float64)
+    torch.testing.assert_close(_group_norm(x, groups, w, b, 1e-5), F.group_norm(x, groups, w, b, 1e-5))
+    torch.testing.assert_close(_group_norm(x, groups), F.group_norm(x, groups))
+    lw, lb = torch.randn(shape[-1], dtype=torch.float64), torch.randn(shape[-1], dtype=torch.float64)
+    torch.testing.assert_close(_layer_norm(x, (shape[-1],), lw, lb), F.layer_norm(x, (shape[-1],), lw, lb))
