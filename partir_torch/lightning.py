@@ -31,7 +31,9 @@ try:
     from pytorch_lightning.accelerators import Accelerator
     from pytorch_lightning.strategies import SingleDeviceStrategy
 except ImportError as e:  # pragma: no cover - the environment pins it
-    raise PartirError(f"partir_torch.lightning needs pytorch-lightning ({e}); pip install 'pytorch-lightning==2.6.6'") from e
+    raise PartirError(
+        f"partir_torch.lightning needs pytorch-lightning ({e}); pip install 'pytorch-lightning==2.6.6'"
+    ) from e
 
 log = logging.getLogger(__name__)
 

@@ -291,7 +291,8 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
     out = []
     for mod in model.modules():
         out += [(mod, n, p, True) for n, p in mod.named_parameters(recurse=False, remove_duplicate=False)]
-        out += [(mod, n, b, False) for n, b in mod.named_buffers(recurse=False, remove_duplicate=False) if b is not None]
+        out += [(mod, n, b, False) for n, b in mod.named_buffers(recurse=False, remove_duplicate=False)
+                if b is not None]
     return out
 
 
@@ -309,8 +310,9 @@ def shard_module(model: nn.Module, plan: ShardingPlan, mesh=None, *, lowerings: 
     on_meta = sorted({id(t) for _, _, t, _ in slots if t.is_meta})
     if on_meta and len(on_meta) != len({id(t) for _, _, t, _ in slots}):
         meta_names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-        raise XlaError(f"some parameters or buffers are on the meta device and others are not ({', '.join(meta_names[:5])}"
-                       f"{' …' if len(meta_names) > 5 else ''}): build the model wholly on meta, or wholly with weights")
+        raise XlaError(f"some parameters or buffers are on the meta device and others are not "
+                       f"({', '.join(meta_names[:5])}{' …' if len(meta_names) > 5 else ''}): "
+                       "build the model wholly on meta, or wholly with weights")
     names = {id(p): n for n, p in model.named_parameters()}
     bnames = {id(b): n for n, b in model.named_buffers()}
     record = Sharded(plan, mesh, [(m, a, t) for m, a, t, _ in slots], names, lowerings=lowerings or Lowerings(),
@@ -450,7 +452,8 @@ def shard_input(rec: Sharded, i: int, x: torch.Tensor) -> torch.Tensor:
         bad = divisibility(f"input {i}", tuple(x.shape), spec or [], plan.mesh)
         if bad or x.dim() != len(want):
             raise XlaError(f"input {i} has shape {list(x.shape)}, the plan was made for {want}: " + "; ".join(bad)
-                           + ". Drop the last partial batch (DataLoader(drop_last=True)) or pad it to the planned shape")
+                           + ". Drop the last partial batch (DataLoader(drop_last=True)) "
+                           "or pad it to the planned shape")
         if (i, tuple(x.shape)) not in rec.warned_shapes:
             rec.warned_shapes.add((i, tuple(x.shape)))
             log.warning("input %d has shape %s, the plan was made for %s: sharded as planned; XLA compiles "
@@ -510,7 +513,9 @@ def unshard(model: nn.Module) -> nn.Module:
             with torch.no_grad():
                 if orig.is_meta:
                     data = now.detach().cpu()
-                    copied[id(orig)] = nn.Parameter(data, orig.requires_grad) if isinstance(orig, nn.Parameter) else data
+                    copied[id(orig)] = (
+                        nn.Parameter(data, orig.requires_grad) if isinstance(orig, nn.Parameter) else data
+                    )
                 else:
                     orig.copy_(now.detach().to(orig.device))
                     copied[id(orig)] = orig

@@ -70,9 +70,10 @@ class CostReport:
     def __str__(self) -> str:
         gib = 2**30
         comm = ", ".join(f"{k} {sum(v.values()) / 2**20:.1f} MiB" for k, v in self.comm_bytes.items()) or "none"
+        by_axis = ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in self.comm_time_by_axis.items()) or "-"
         lines = [
             f"step {self.step_time_s * 1e3:.2f} ms = compute {self.compute_time_s * 1e3:.2f} ms + communication "
-            f"{self.comm_time_s * 1e3:.2f} ms ({', '.join(f'{a} {t * 1e3:.2f} ms' for a, t in self.comm_time_by_axis.items()) or '-'})",
+            f"{self.comm_time_s * 1e3:.2f} ms ({by_axis})",
             f"communication per device: {comm}",
             f"peak memory per device {self.peak_memory_bytes / gib:.2f} GiB of {self.memory_limit / gib:.1f} GiB"
             f" ({'fits' if self.feasible else 'DOES NOT FIT'}): "

@@ -8,5 +8,5 @@ from partir_torch.search.local import LocalSearch
 from partir_torch.search.mcts import MCTS
 from partir_torch.search.space import ShardOptimizer, candidates, slots
 
-__all__ = ["GOALS", "MCTS", "Auto", "Budget", "Evaluator", "InfeasibleError", "LocalSearch", "Result", "Score", "SearchConfig",
-           "ShardOptimizer", "candidates", "run_search", "search", "slots"]
+__all__ = ["GOALS", "MCTS", "Auto", "Budget", "Evaluator", "InfeasibleError", "LocalSearch", "Result", "Score",
+           "SearchConfig", "ShardOptimizer", "candidates", "run_search", "search", "slots"]

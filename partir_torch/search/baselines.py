@@ -5,9 +5,9 @@
     beam        breadth-first over action sets, keeping the `width` best states per depth
     exhaustive  every set of up to `max_depth` actions (small programs only): the optimum of the space,
                 to measure the optimality gap of the others
-Each answer but the exhaustive one is simplified as the MCTS's is (`local.simplify`: an action whose removal keeps the plan within
-0.5 % of the best step time found is dropped; a few evaluations after the budget), so that all are judged by
-the same objective.
+Each answer but the exhaustive one is simplified as the MCTS's is (`local.simplify`: an action whose
+removal keeps the plan within 0.5 % of the best step time found is dropped; a few evaluations after the
+budget), so that all are judged by the same objective.
 """
 
 from __future__ import annotations

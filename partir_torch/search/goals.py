@@ -26,7 +26,8 @@ from partir_torch.errors import PartirError
 from partir_torch.propagate import ShardingState
 
 GOALS = ("time", "communication", "zero")
-KINDS = {"time": frozenset({"input", "param", "optimizer"}), "communication": frozenset({"input", "param", "optimizer"}),
+KINDS = {"time": frozenset({"input", "param", "optimizer"}),
+         "communication": frozenset({"input", "param", "optimizer"}),
          "zero": frozenset({"optimizer"})}
 
 

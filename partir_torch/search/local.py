@@ -13,8 +13,9 @@ best distinct plans seen, best first, and from `starts` (plans of other searches
       a wide plan an append scan costs a propagation per candidate); (b) replace one action by another on the same slot
       (another dim, ZeRO stage, or ZeRO instead of a tile); (c) insert one action before an action that
       made it illegal (a ZeRO move fences the parameters on its axis, a tile propagates its axis; the
-      orders of the tree are not commutative), first before the ZeRO moves, the candidates ordered by the tree's scores of the shorter
-      plan with them; the first insertion that improves is taken (the costly group);
+      orders of the tree are not commutative), first before the ZeRO moves, the candidates ordered by
+      the tree's scores of the shorter plan with them; the first insertion that improves is taken (the
+      costly group);
   (3) at a local optimum, walk the plateau: each plan as good as it with one parameter tile replaced by
       another slot's (the same decision reached from another layer: S5's edge MLP and decoder weights, both
       on the latent dim) is hill-climbed in turn (`_twins`): other moves are legal after the other tile;

@@ -146,7 +146,8 @@ class MCTS:
             if not options:
                 break
             logn = math.log(node.n + 1)
-            a, node = max(options, key=lambda ch: ch[1].q / max(ch[1].n, 1) + self.c * math.sqrt(logn / max(ch[1].n, 1)))
+            a, node = max(options,
+                          key=lambda ch: ch[1].q / max(ch[1].n, 1) + self.c * math.sqrt(logn / max(ch[1].n, 1)))
             path.append(node)
             on_path.add(id(node))
         child = None
@@ -250,7 +251,8 @@ class MCTS:
                     self.episode()
                     if bar is not None:
                         bar.update(task, advance=1, description=f"MCTS on {', '.join(self.axes)}: best "
-                                   f"{'fits' if not self.best[0].infeasible else 'does not fit'}, {self.best[0].objective * 1e3:.2f} ms")
+                                   f"{'fits' if not self.best[0].infeasible else 'does not fit'}, "
+                                   f"{self.best[0].objective * 1e3:.2f} ms")
                 if refine > 0:
                     self.local.refine(None if budget.seconds is None else t0 + budget.seconds,
                                       None if budget.episodes is None else max(8, int(budget.episodes * refine * 4)),

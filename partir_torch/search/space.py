@@ -18,8 +18,8 @@ A plan is an action list in canonical order (`rank`, `Plans`): parameter tiles, 
 moves and late parameter tiles (`TileLate`), each kind in the order chosen. Order is priority, so a search that
 appends would need to pick a layer's tile before the batch split for that layer to run model-parallel on the
 batch axis, and could not add it once the split is made: the U-Net's good plans tile several
-low-resolution layers so (measured in docs/search.md, "Why the canonical order"). A plan's candidates are judged where each would go
-(`Plans.candidates`), and adding one replays only the actions after its place.
+low-resolution layers so (measured in docs/search.md, "Why the canonical order"). A plan's candidates are
+judged where each would go (`Plans.candidates`), and adding one replays only the actions after its place.
 """
 
 from __future__ import annotations
@@ -252,7 +252,8 @@ def decided_bytes(state: ShardingState, action: Action) -> int:
     got = cache.get(key)
     if got is None:
         if isinstance(action, ShardOptimizer):
-            names = list(p.opt_states) if action.target == "*" else [p.values[v].name for v in state.resolve(action.target)]
+            names = (list(p.opt_states) if action.target == "*"
+                     else [p.values[v].name for v in state.resolve(action.target)])
             got = sum(p.values[v].nbytes for n in names for s, v in p.opt_states.get(n, {}).items()
                       if s not in p.shared_states)
             if action.stage == 3:

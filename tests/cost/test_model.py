@@ -17,7 +17,9 @@ from partir_torch.tactics import apply_schedule
 
 
 def test_presets_and_overrides():
-    assert {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "a100-80gb", "h100-sxm", "h200-sxm", "cpu-virtual"} <= set(PRESETS)
+    assert {
+        "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "a100-80gb", "h100-sxm", "h200-sxm", "cpu-virtual"
+    } <= set(PRESETS)
     hw = hardware("tpu-v5e", memory=8 * 2**30)
     assert hw.memory == 8 * 2**30 and hw.peak_flops_bf16 == PRESETS["tpu-v5e"].peak_flops_bf16
     with pytest.raises(HardwareError, match=r"unknown hardware preset 'tpu-v9'; presets: tpu-v4, tpu-v5e"):

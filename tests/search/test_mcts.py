@@ -79,7 +79,9 @@ def test_ablated_mcts_without_pruning_or_goals_returns_a_legal_plan(mlp):
     root = ShardingState(mlp, Mesh.parse("batch=4,model=2"))
     pruned, every = candidates(root, axes, ALL), candidates(root, axes, ALL, prune=False)
     assert set(pruned) < set(every)
-    res = MCTS(root, Evaluator(hardware("tpu-v5e"), goals=False), axes, ALL, seed=0, prune=False).run(Budget(episodes=60))
+    res = MCTS(root, Evaluator(hardware("tpu-v5e"), goals=False), axes, ALL, seed=0, prune=False).run(
+        Budget(episodes=60)
+    )
     # the unpruned space does offer illegal actions once something is applied; the search survives them
     assert any(not apply_action(res.state.copy(), a) for a in candidates(res.state, axes, ALL, prune=False))
     start, _ = _ev().score(root)
