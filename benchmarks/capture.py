@@ -84,8 +84,8 @@ def main() -> None:
         t.add_row(r["model"], f"{r['params'] / 1e9:.2f}B", str(r["ops"]), str(r["groups"]), f"{r['first_s']:.2f}",
                   f"{r['median_s']:.2f}", f"{r['peak_rss_gib']:.2f}", verdict)
     Console(width=140).print(t)
-    out = {"machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count(), "node": platform.machine()},
-           "repeat": args.repeat, "results": rows}
+    machine = {"python": platform.python_version(), "cpus": __import__("os").cpu_count(), "node": platform.machine()}
+    out = {"machine": machine, "repeat": args.repeat, "results": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")

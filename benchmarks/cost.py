@@ -6,7 +6,7 @@ Every program is propagated with `batch:DP;model:Megatron;batch:ZeRO(1)` on the 
 costed on tpu-v5e (`:fold` captures with `fold=True`). Measures (median over repeats, this machine):
     first        the program's first evaluation (builds its tables: rules are already there), once
     full cold    a fresh state (the schedule applied again), its cache empty and the results memoized for
-                 the program forgotten (`clear_memo`): everything computed
+                 the program forgotten (`Analysis.clear_memos`): everything computed
     full         a fresh state, its cache empty (the program's memo kept: what other states computed)
     incremental  the search's step: copy the evaluated state, apply one candidate action, evaluate it
                  (`copy+action+eval`, and `eval` alone), over the candidate actions in a fixed random
@@ -39,7 +39,7 @@ def main() -> None:
 
     from partir_torch import capture
     from partir_torch.cost import hardware
-    from partir_torch.cost.model import clear_memo, evaluate
+    from partir_torch.cost.model import evaluate
     from partir_torch.ir import Mesh
     from partir_torch.search.space import apply_action, candidates
     from partir_torch.tactics import apply_schedule
@@ -67,7 +67,7 @@ def main() -> None:
             for _ in range(args.repeat):
                 st = apply_schedule(program, mesh, SCHEDULE)
                 if cold:
-                    clear_memo(program)
+                    st.analysis.clear_memos()
                 t = time.perf_counter()
                 evaluate(st, hw)
                 out.append(time.perf_counter() - t)

@@ -47,10 +47,14 @@ def _reason(r: dict) -> str:
 
 def write_known(results: list[dict]) -> None:
     known = {r["name"]: (r["stage"], _reason(r)) for r in results if r["stage"] != "ok"}
-    body = "".join(f"    {n!r}: ({s!r},\n        {why!r}),\n" for n, (s, why) in known.items())
+    def lines(why: str) -> str:  # the reason in pieces, so that no line of the test file exceeds 120 characters
+        return "\n".join(f"        {why[i:i + 80]!r}" for i in range(0, len(why), 80)) or "        ''"
+
+    body = "".join(f"    {n!r}: ({s!r},\n{lines(why)}),\n" for n, (s, why) in known.items())
     block = f"KNOWN_FAILURES: dict[str, tuple[str, str]] = {{\n{body}}}\n"
     text = TEST.read_text()
-    new = re.sub(r"(# BEGIN KNOWN_FAILURES[^\n]*\n).*?(# END KNOWN_FAILURES)", lambda m: m.group(1) + block + m.group(2),
+    new = re.sub(r"(# BEGIN KNOWN_FAILURES[^\n]*\n).*?(# END KNOWN_FAILURES)",
+                 lambda m: m.group(1) + block + m.group(2),
                  text, flags=re.S)
     TEST.write_text(new)
 
@@ -76,10 +80,11 @@ def table(results: list[dict], budget: int) -> str:
         "Regenerate with `.venv/bin/python benchmarks/models.py` (`--update NAME…` reruns some and merges); the",
         "known failures of `tests/models/test_sweep.py` are rewritten from the same results. A submodule whose forward",
         "has data-dependent shapes (Mixtral's MoE routing) is captured with `fallback=True` as one opaque op that runs",
-        "replicated, its FLOPs measured on a real run (`partir_torch/capture/opaque.py`): such a row plans and simulates",
-        "only with fallback.",
+        "replicated, its FLOPs measured on a real run (`partir_torch/capture/opaque.py`): such a row plans and",
+        "simulates only with fallback.",
         "",
-        f"**{n} architectures: {cap} capture ({cap_nf} without fallback), {plan_nf} plan without fallback, {plan_f} with fallback, "
+        f"**{n} architectures: {cap} capture ({cap_nf} without fallback), {plan_nf} plan without fallback, "
+        f"{plan_f} with fallback, "
         f"{ok} pass the simulator without fallback ({sim_f} with fallback).**",
         "",
         "| architecture | params | ops | stage | plan w/o fallback | sharded params | max rel. diff | "

@@ -37,7 +37,9 @@ def main() -> None:
     out = {}
     for fold in (False, True):
         program = capture(model, inputs, loss_fn, "adamw", fold=fold)
-        out["folded" if fold else "full"] = measure(program, args, models, Mesh, Tile, lower, ShardingState, program_rules)
+        out["folded" if fold else "full"] = measure(
+            program, args, models, Mesh, Tile, lower, ShardingState, program_rules
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": args.model, **out}, indent=1))
     print(f"wrote {args.out}")
@@ -50,10 +52,14 @@ def measure(program, args, models, Mesh, Tile, lower, ShardingState, program_rul
     gc.collect()
     gc.freeze()
     t = time.perf_counter()
-    program_rules(program)
+    program_rules(program, mesh)
     rules_s = time.perf_counter() - t
     one = Tile("h.*.mlp.c_fc.weight", 0, "model")
-    plan = [Tile("inputs[0]", 0, "batch"), Tile("h.*.mlp.c_fc.weight", 0, "model"), Tile("h.*.attn.c_attn.weight", 0, "model")]
+    plan = [
+        Tile("inputs[0]", 0, "batch"),
+        Tile("h.*.mlp.c_fc.weight", 0, "model"),
+        Tile("h.*.attn.c_attn.weight", 0, "model"),
+    ]
 
     def timed(fn) -> list[float]:
         out = []
@@ -76,14 +82,16 @@ def measure(program, args, models, Mesh, Tile, lower, ShardingState, program_rul
         "one_action": [run([one])[0] for _ in range(args.repeat)],
         "three_actions": [run(plan)[0] for _ in range(args.repeat)],
     }
-    res = {"model": args.model, "folded": bool(program.fold), "ops": len(program.ops), "values": len(program.values), "rules_once_s": rules_s,
+    res = {"model": args.model, "folded": bool(program.fold), "ops": len(program.ops), "values": len(program.values),
+           "rules_once_s": rules_s,
            **{k: {"median_ms": 1e3 * statistics.median(v), "min_ms": 1e3 * min(v)} for k, v in rows.items()},
            "collectives_three_actions": run(plan)[1], "targets_ms": {"one_action": 5, "three_actions": 20}}
     from rich.console import Console
     from rich.table import Table
 
     kind = "folded" if program.fold else "full"
-    tab = Table(title=f"propagation + lowering, {args.model} AdamW step, {kind} ({res['ops']} ops), mesh batch=2,model=4")
+    tab = Table(title=f"propagation + lowering, {args.model} AdamW step, {kind} ({res['ops']} ops), "
+                      "mesh batch=2,model=4")
     for c in ("measure", "median ms", "min ms", "target ms"):
         tab.add_column(c)
     tab.add_row("rule table (once per program)", f"{1e3 * rules_s:.1f}", "", "")

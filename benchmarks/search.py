@@ -100,9 +100,10 @@ def e2e_child(hw: str, budget: str, seed: int) -> None:
     t = time.perf_counter()
     plan = search(model, inputs, mesh, loss_fn=loss_fn, optimizer="adamw", hardware=hw, budget=budget, seed=seed)
     total = time.perf_counter() - t
-    print(json.dumps({"total_s": total, "search_s": plan.search["time_s"], "capture_and_rest_s": total - plan.search["time_s"],
-                      "episodes": plan.search["episodes"], "step_time_s": plan.cost["step_time_s"],
-                      "peak_memory_bytes": plan.cost["peak_memory_bytes"], "feasible": plan.cost["feasible"]}))
+    print(json.dumps({"total_s": total, "search_s": plan.search["time_s"],
+                      "capture_and_rest_s": total - plan.search["time_s"], "episodes": plan.search["episodes"],
+                      "step_time_s": plan.cost["step_time_s"], "peak_memory_bytes": plan.cost["peak_memory_bytes"],
+                      "feasible": plan.cost["feasible"]}))
 
 
 def e2e(budget: str, seeds: int) -> dict:
@@ -204,7 +205,8 @@ def main() -> None:
         gc.collect()
         gc.freeze()
         row = {"model": model_name, "overrides": over, "hardware": hw_name, "mesh": mesh_text, "dcn": list(dcn),
-               "budget": args.budget, "capture_s": cap_s, "ops": len(program.ops), "fold": program.fold, "experts": {}, "search": {}}
+               "budget": args.budget, "capture_s": cap_s, "ops": len(program.ops), "fold": program.fold,
+               "experts": {}, "search": {}}
 
         def rec(state, extra=None, hw=hw, dcn=dcn):
             r = evaluate(state, hw, dcn_axes=frozenset(dcn))
@@ -228,7 +230,8 @@ def main() -> None:
             runs += [("random", "incremental", s, True, True, f"random-seed{s}") for s in range(args.seeds)]
             runs += [(a, "incremental", 0, True, True, f"{a}-incremental") for a in ("greedy", "beam")]
         for algo, mode, seed, prune, goals, key in runs:
-            cfg = SearchConfig(hw, frozenset(dcn), None, seed, Budget.parse(args.budget), algo, prune=prune, goals=goals)
+            cfg = SearchConfig(hw, frozenset(dcn), None, seed, Budget.parse(args.budget), algo,
+                               prune=prune, goals=goals)
             t1 = time.perf_counter()
             state = apply_schedule(program, mesh, [Auto(None, "time", mode)], search=cfg)
             el = time.perf_counter() - t1
@@ -252,24 +255,27 @@ def main() -> None:
         results[name] = row
         gc.unfreeze()
 
-    print(f"\n{'scenario':8} {'plan':28} {'step ms':>10} {'peak GiB':>9} {'fits':>5} {'vs expert':>9} {'time s':>7} {'episodes':>8}")
+    print(f"\n{'scenario':8} {'plan':28} {'step ms':>10} {'peak GiB':>9} {'fits':>5} "
+          f"{'vs expert':>9} {'time s':>7} {'episodes':>8}")
     for name, row in results.items():
         for ename, v in row["experts"].items():
             if "error" in v:
                 print(f"{name:8} {'expert ' + ename:28} {'n/a: ' + v['error'][:60]}")
                 continue
-            print(f"{name:8} {'expert ' + ename:28} {v['step_time_s'] * 1e3:10.2f} {v['peak_memory_bytes'] / 2**30:9.2f} "
-                  f"{'yes' if v['feasible'] else 'NO':>5}")
+            print(f"{name:8} {'expert ' + ename:28} {v['step_time_s'] * 1e3:10.2f} "
+                  f"{v['peak_memory_bytes'] / 2**30:9.2f} {'yes' if v['feasible'] else 'NO':>5}")
         for k, v in row["search"].items():
             ratio = f"{v['vs_best_expert']:.3f}" if v["vs_best_expert"] else "-"
             print(f"{name:8} {k:28} {v['step_time_s'] * 1e3:10.2f} {v['peak_memory_bytes'] / 2**30:9.2f} "
                   f"{'yes' if v['feasible'] else 'NO':>5} {ratio:>9} {v['time_s']:7.1f} {v['episodes'] or 0:8d}")
         if row["seed_spread"] is not None:
-            print(f"{name:8} MCTS seed spread {row['seed_spread'] * 100:.2f} %  (capture {row['capture_s']:.1f} s, {row['ops']} ops)")
+            print(f"{name:8} MCTS seed spread {row['seed_spread'] * 100:.2f} %  "
+                  f"(capture {row['capture_s']:.1f} s, {row['ops']} ops)")
         vs = row.get("mcts_vs_random")
         if vs:
-            print(f"{name:8} MCTS vs random, seed by seed: {vs['wins']} wins, {vs['ties']} ties, {vs['losses']} losses; "
-                  f"medians {vs['median_mcts_s'] * 1e3:.2f} vs {vs['median_random_s'] * 1e3:.2f} ms ({vs['median']})")
+            print(f"{name:8} MCTS vs random, seed by seed: {vs['wins']} wins, {vs['ties']} ties, "
+                  f"{vs['losses']} losses; medians {vs['median_mcts_s'] * 1e3:.2f} vs "
+                  f"{vs['median_random_s'] * 1e3:.2f} ms ({vs['median']})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     prev = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     if not args.only:  # a full run replaces the scenarios, and keeps the end-to-end timing (--e2e)

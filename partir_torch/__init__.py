@@ -3,7 +3,7 @@
 Pipeline: capture -> ir -> rules -> propagate/lower -> cost -> search -> plan -> backends.
 """
 
-from partir_torch.api import auto_shard, shard_batch, start_runtime, unshard, verify
+from partir_torch.api import auto_shard, input_sharding, shard_batch, start_runtime, unshard, verify
 from partir_torch.capture import capture
 from partir_torch.errors import CaptureError, InputShapeError, PartirError, UnsupportedOptimizerError
 from partir_torch.ir import Group, Op, Phase, Program, Role, Value
@@ -24,6 +24,7 @@ __all__ = [
     "Value",
     "auto_shard",
     "capture",
+    "input_sharding",
     "search",
     "shard_batch",
     "start_runtime",

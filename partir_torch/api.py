@@ -119,10 +119,20 @@ def shard_batch(model: nn.Module, *batch: torch.Tensor) -> tuple[torch.Tensor, .
     return xla.shard_batch(model, *batch)
 
 
-def verify(model: nn.Module, example_inputs, **kwargs: Any):
-    """`model.partir_plan.verify(model, example_inputs, ...)`."""
-    plan = getattr(model, "partir_plan", None)
+def verify(model: nn.Module, example_inputs, *, plan: ShardingPlan | None = None, **kwargs: Any):
+    """Compile the step as `auto_shard` applies `plan` (default: `model.partir_plan`) and compare XLA's
+    collectives and memory with the prediction (`backends.verify.verify`; `kwargs` go there)."""
+    from partir_torch.backends.verify import verify as verify_plan
+
+    plan = plan if plan is not None else getattr(model, "partir_plan", None)
     if plan is None:
-        raise PartirError("this model has no plan: shard it with auto_shard, or call plan.verify(model, inputs, "
-                          "loss_fn=..., optimizer=...)")
-    return plan.verify(model, example_inputs, **kwargs)
+        raise PartirError("this model has no plan: shard it with auto_shard, or call partir_torch.verify(model, "
+                          "inputs, plan=plan, loss_fn=..., optimizer=...)")
+    return verify_plan(plan, model, example_inputs, **kwargs)
+
+
+def input_sharding(plan: ShardingPlan, i: int):
+    """torch_xla's sharding of input `i` of `plan` (for `MpDeviceLoader(..., input_sharding=...)`)."""
+    from partir_torch.backends import xla
+
+    return xla.input_sharding(plan, i)

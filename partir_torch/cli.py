@@ -48,7 +48,8 @@ def _print_capture(s: dict[str, Any], top: int) -> None:
     con = Console()
     con.print(
         f"[bold]{s['model']}[/]: {s['mode']} step, optimizer {s['optimizer']}, captured in "
-        f"{s['capture_time_s']:.2f} s — {s['ops']} ops ({', '.join(f'{k} {v}' for k, v in s['ops_by_phase'].items())}), "
+        f"{s['capture_time_s']:.2f} s — {s['ops']} ops "
+        f"({', '.join(f'{k} {v}' for k, v in s['ops_by_phase'].items())}), "
         f"{s['values']} values"
     )
     con.print(f"parameters: {_fmt_count(s['params'])} in {s['param_tensors']} tensors, {_fmt_bytes(s['param_bytes'])}")
@@ -193,7 +194,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             t.add_row(kind, axis, str(counts[(kind, axis)]), _fmt_bytes(b))
     con.print(t)
     sharded = {n: spec for n, spec in out["params"].items() if any(spec)}
-    con.print(f"{len(sharded)} of {len(out['params'])} parameters sharded; {len(state.conflicts)} propagation conflicts")
+    con.print(f"{len(sharded)} of {len(out['params'])} parameters sharded; {len(state.conflicts)} propagation "
+              "conflicts")
     for n, spec in list(sharded.items())[:12]:
         con.print(f"  {n}: {spec}")
     return 0
@@ -243,7 +245,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(plan.table())
-        print("at the memory peak: " + ", ".join(f"{n} ({r}) {b / 2**20:.1f} MiB" for n, r, b in report.top_at_peak[:5]))
+        print("at the memory peak: " + ", ".join(f"{n} ({r}) {b / 2**20:.1f} MiB"
+                                                 for n, r, b in report.top_at_peak[:5]))
         if plan.search:
             s = plan.search
             print(f"search: {s['algorithm']}, {s['episodes']} episodes, {s['evaluations']} evaluations in "
@@ -322,7 +325,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model, opt = partir_torch.auto_shard(model, inputs, args.mesh, loss_fn=loss_fn, optimizer=optimizer,
                                          schedule=args.schedule, hardware=args.hardware, memory=args.memory,
-                                         budget=args.budget, seed=args.seed, plan=args.plan, progress=sys.stderr.isatty())
+                                         budget=args.budget, seed=args.seed, plan=args.plan,
+                                         progress=sys.stderr.isatty())
     plan = model.partir_plan
     print(plan.table())
     if plan.search:
@@ -372,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--json", action="store_true")
     cv.set_defaults(fn=cmd_coverage)
 
-    sm = sub.add_parser("simulate", help="run a plan per device in plain torch and compare with unsharded (use tiny-* models)")
+    sm = sub.add_parser("simulate",
+                        help="run a plan per device in plain torch and compare with unsharded (use tiny-* models)")
     sm.add_argument("model")
     sm.add_argument("--config", action="append", metavar="KEY=VALUE")
     sm.add_argument("--mesh", help="e.g. batch=2,model=4 (with --plan: the plan's mesh)")

@@ -149,7 +149,8 @@ class PlanDiff:
         for title, rows in (("parameters", self.params), ("optimizer states", self.optimizer_state)):
             if rows:
                 lines.append(f"{title} with another spec:")
-                lines += [f"  {n}{f' (x{k})' if k > 1 else ''}: {json.dumps(a)} -> {json.dumps(b)}" for n, k, a, b in rows]
+                lines += [f"  {n}{f' (x{k})' if k > 1 else ''}: {json.dumps(a)} -> {json.dumps(b)}"
+                          for n, k, a, b in rows]
         if self.inputs:
             lines.append("inputs with another spec:")
             lines += [f"  inputs[{i}]: {json.dumps(a)} -> {json.dumps(b)}" for i, a, b in self.inputs]
@@ -170,7 +171,8 @@ def diff(a: ShardingPlan, b: ShardingPlan) -> PlanDiff:
     cost = {k: (float(a.cost.get(k, 0.0)), float(b.cost.get(k, 0.0))) for k in _COST_FIGURES}
     kinds = sorted(set(a.cost.get("comm_bytes", {})) | set(b.cost.get("comm_bytes", {})))
     for k in kinds:
-        cost[f"{k} bytes"] = (float(a.cost.get("comm_bytes", {}).get(k, 0)), float(b.cost.get("comm_bytes", {}).get(k, 0)))
+        cost[f"{k} bytes"] = (float(a.cost.get("comm_bytes", {}).get(k, 0)),
+                              float(b.cost.get("comm_bytes", {}).get(k, 0)))
     params = _changed({n: (a.params[n], b.params[n]) for n in a.params if n in b.params})
     # a state whose spec changes as its parameter's does (ZeRO aside, the usual case) is not listed
     follow = {f"{n}[{s}]": (sa, b.optimizer_state[n][s]) for n, st in a.optimizer_state.items()

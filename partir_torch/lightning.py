@@ -31,7 +31,9 @@ try:
     from pytorch_lightning.accelerators import Accelerator
     from pytorch_lightning.strategies import SingleDeviceStrategy
 except ImportError as e:  # pragma: no cover - the environment pins it
-    raise PartirError(f"partir_torch.lightning needs pytorch-lightning ({e}); pip install 'pytorch-lightning==2.6.6'") from e
+    raise PartirError(
+        f"partir_torch.lightning needs pytorch-lightning ({e}); pip install 'pytorch-lightning==2.6.6'"
+    ) from e
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +174,11 @@ class AutoShardStrategy(SingleDeviceStrategy):
         module.print(f"partir_torch: {type(module).__name__} sharded over {m}\n{plan.table()}")
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        import torch_xla
+        from partir_torch.backends import xla
 
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         optimizer.zero_grad(set_to_none=True)  # gradients are temporaries of the step, not graph outputs
-        torch_xla.sync()
+        xla.sync()
         return out
 
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.sharding import Sharding
-from partir_torch.propagate import ShardingState
+from partir_torch.propagate import MOVES, ShardingState
 
 
 @dataclass(frozen=True)
@@ -153,25 +153,23 @@ def op_needs(rule, a: dict, pt: frozenset[str]) -> list[tuple[tuple[tuple[str, .
 def op_signatures(state: ShardingState) -> list[int]:
     """Per op, an id equal for ops whose rules give the same shardings under the same assignment (the
     factors each tensor carries, reductions, partialized operands): the repeated layers' ops share one."""
-    program = state.program
-    sigs = getattr(program, "_lower_sigs", None)
+    an = state.analysis
+    sigs = an.lower_sigs
     if sigs is None:
         ids: dict[tuple, int] = {}
-        sigs = [ids.setdefault((tuple((t.dims, t.chunks) for t in r.operands),
-                                tuple((t.dims, t.chunks) for t in r.results), r.partialize,
-                                r.reduced), len(ids)) for r in state.rules]
-        program._lower_sigs = sigs  # type: ignore[attr-defined]
-        program._lower_memo = {}  # type: ignore[attr-defined]
+        sigs = an.lower_sigs = [ids.setdefault((tuple((t.dims, t.chunks) for t in r.operands),
+                                                 tuple((t.dims, t.chunks) for t in r.results), r.partialize,
+                                                 r.reduced), len(ids)) for r in an.rules]
     return sigs
 
 
 def op_shardings(state: ShardingState, o: int) -> tuple[tuple[Sharding, ...], tuple[Sharding, ...]]:
-    """(`required_operand` of each operand, `op_output` of each result) of op `o`, memoized per program by
+    """(`required_operand` of each operand, `op_output` of each result) of op `o`, memoized per analysis by
     (op signature, assignment, passed-through sums)."""
     sig = op_signatures(state)[o]
     a, pt = state.assign[o], state.passthrough[o]
     key = (sig, tuple(a.items()), pt)
-    memo = state.program._lower_memo  # type: ignore[attr-defined]
+    memo = state.analysis.lower_memo
     hit = memo.get(key)
     if hit is None:
         rule = state.rules[o]
@@ -206,15 +204,10 @@ def op_reshards(state: ShardingState, o: int) -> list[tuple[int, Sharding, Shard
 
 def reshard(state: ShardingState, v: int, src: Sharding, dst: Sharding
             ) -> tuple[tuple[tuple[str, str, int], ...], str, str]:
-    """(`transitions` of value `v` from `src` to `dst`, str(src), str(dst)), memoized per program and mesh
-    (by shape, itemsize and the two shardings)."""
+    """(`transitions` of value `v` from `src` to `dst`, str(src), str(dst)), memoized per analysis (program
+    and mesh) by shape, itemsize and the two shardings."""
     program, mesh = state.program, state.mesh
-    memos = getattr(program, "_reshard_memo", None)
-    if memos is None:
-        memos = program._reshard_memo = {}  # type: ignore[attr-defined]
-    memo = memos.get(mesh)
-    if memo is None:
-        memo = memos[mesh] = {}
+    memo = state.analysis.reshard_memo
     val = program.values[v]
     key = (val.shape, val.dtype.itemsize, src, dst)
     hit = memo.get(key)
@@ -233,16 +226,69 @@ def end_reshards(state: ShardingState) -> list[tuple[int, Sharding, Sharding]]:
     return [c for c in out if c[1] != c[2]]
 
 
+def relayouts(program, rules) -> list[int]:
+    """Per value, the op that made it by re-laying out one operand (a view, reshape or transpose), or -1."""
+    out = [-1] * len(program.values)
+    for r in rules:
+        if r.name in MOVES and len(r.operands) == 1 and len(r.results) == 1:
+            out[r.results[0].value] = program.values[r.results[0].value].producer
+    return out
+
+
+def pull_back(rule, sh: Sharding) -> Sharding | None:
+    """The operand's sharding that a re-layout op `rule` turns into `sh` of its result (each tiled result dim
+    to the operand dim of its factor), or None when a tiled dim has no factor on the operand side."""
+    if sh.chunks:
+        return None
+    src, dst = rule.operands[0].dims, rule.results[0].dims
+    dims: list[tuple[str, ...]] = [() for _ in src]
+    for d, axes in enumerate(sh.dims):
+        if axes:
+            f = dst[d]
+            if f is None or f not in src:
+                return None
+            dims[src.index(f)] += axes
+    return Sharding(tuple(dims), sh.partial)
+
+
+def relayout_root(rules, relay: list[int], v: int, src: Sharding, dst: Sharding
+                  ) -> tuple[int, Sharding, Sharding]:
+    """(u, src', dst'): the reshard of `v` from `src` to `dst` as a reshard of the value `u` that `v` re-lays
+    out (through views and transposes): the same elements moved the same way. A program that gathers a value
+    and its transpose gathers once (GSPMD propagates one gathered copy to both; XLA's CSE merges the rest)."""
+    if src.partial:  # pending sums are reduced per value: XLA all-reduces a sum and its view apart (tiny-moe)
+        return v, src, dst
+    while (o := relay[v]) >= 0:
+        rule = rules[o]
+        s, d = pull_back(rule, src), pull_back(rule, dst)
+        if s is None or d is None:
+            break
+        v, src, dst = rule.operands[0].value, s, d
+    return v, src, dst
+
+
+def dedup_key(state: ShardingState, relay: list[int], v: int, src: Sharding, dst: Sharding) -> tuple[int, Sharding]:
+    """`lower`'s identity of a reshard: (value, dst), or (u, dst') when it re-lays out a value `u` that the
+    reshard moves from u's own sharding (`relayout_root`)."""
+    if relay[v] < 0:
+        return v, dst
+    u, s, d = relayout_root(state.rules, relay, v, src, dst)
+    return (u, d) if u != v and s == state.shard[u] else (v, dst)
+
+
 def lower(state: ShardingState) -> list[Collective]:
     """The collectives of `state`: each op's reshards (operands, then results) in op order, then the end of the
-    step; each (value, dst) once, owned by the first op that needs it."""
+    step; each reshard once (`dedup_key`: a value's, or its re-layout's, to one sharding), owned by the first
+    op that needs it."""
     out: list[Collective] = []
     seen: set[tuple[int, Sharding]] = set()
+    relay = relayouts(state.program, state.rules)
 
     def add(v: int, src: Sharding, dst: Sharding, op: int) -> None:
-        if (v, dst) in seen:
+        key = dedup_key(state, relay, v, src, dst)
+        if key in seen:
             return
-        seen.add((v, dst))
+        seen.add(key)
         steps, s, d = reshard(state, v, src, dst)
         for kind, axis, nbytes in steps:
             out.append(Collective.make(kind, axis, nbytes, v, op, s, d))

@@ -9,7 +9,6 @@ to minor). `ShardingPlan.to_json()` keeps at least `mesh.axes`, `params`, `input
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,6 +18,8 @@ from typing import Any
 from partir_torch.capture.fold import full_names
 from partir_torch.cost.hardware import format_bytes
 from partir_torch.errors import PartirError
+from partir_torch.ir.mesh import Mesh
+from partir_torch.ir.sharding import Sharding, divides, tile_count
 from partir_torch.propagate import ShardingState
 
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
@@ -31,15 +32,14 @@ class PlanSpecs:
     optimizer_state: dict[str, dict[str, Spec]]  # per parameter, per per-parameter state
     activations: dict[str, Spec] = field(default_factory=dict)  # module path -> spec of its output
     grads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec of its gradient
+    module_inputs: dict[str, list] = field(default_factory=dict)  # module path -> [input spec, its gradient's or None]
 
 
-def module_outputs(program) -> dict[str, int]:
-    """The value each module's forward returns, by module path: the one forward activation made inside the
-    module (its ops or its submodules') and used outside it. Modules whose output is not one such value
-    (several outputs, tuples, modules called more than once) are left out."""
-    from partir_torch.ir.program import Phase, Role
+def _forward_modules(program) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """({module path: its forward ops, submodules' included, in op order}, {module path: calls})."""
+    from partir_torch.ir.program import Phase
 
-    made: dict[str, set[int]] = {}
+    ops_of: dict[str, list[int]] = {}
     calls: dict[str, int] = {}
     prev = ""
     for op in program.ops:
@@ -51,8 +51,19 @@ def module_outputs(program) -> dict[str, int]:
             path = ".".join(parts[:i])
             if not (prev == path or prev.startswith(path + ".")):  # entered from outside: a call
                 calls[path] = calls.get(path, 0) + 1
-            made.setdefault(path, set()).update(o for o in op.outputs if o >= 0)
+            ops_of.setdefault(path, []).append(op.id)
         prev = op.module
+    return ops_of, calls
+
+
+def module_outputs(program) -> dict[str, int]:
+    """The value each module's forward returns, by module path: the one forward activation made inside the
+    module (its ops or its submodules') and used outside it. Modules whose output is not one such value
+    (several outputs, tuples, modules called more than once) are left out."""
+    from partir_torch.ir.program import Role
+
+    ops_of, calls = _forward_modules(program)
+    made = {path: {o for i in ids for o in program.ops[i].outputs if o >= 0} for path, ids in ops_of.items()}
     users, ops = program.users, program.ops
     out: dict[str, int] = {}
     for path, vals in made.items():
@@ -66,6 +77,111 @@ def module_outputs(program) -> dict[str, int]:
         if len(escaping) == 1:
             out[path] = escaping[0]
     return {p: v for p, v in out.items() if calls.get(p, 1) <= 1}
+
+
+def module_inputs(state: ShardingState) -> dict[str, tuple[int, Sharding, Sharding | None]]:
+    """{module path: (its input value, the sharding the module reads it in, the sharding of the gradient it
+    sends back for it or None)} where the plan reshards a module's
+    one outside input as the module's first step: `lower` reshards the input (or a same-size single-operand
+    view of it, the sharding then taken back to the input's dims) at every use inside the module, all to the
+    same sharding. A backend constrains the module's input to it, so that the engine reshards where the cost
+    model does (an all-gather of LayerNorm's input, not the all-to-all of its output GSPMD would choose).
+    Modules called more than once, with several outside inputs, or whose input is used as it is are left out."""
+    from partir_torch.ir.program import Role
+
+    program = state.program
+    ops_of, calls = _forward_modules(program)
+    producer = {v: op.id for op in program.ops for v in op.outputs if v >= 0}
+    out: dict[str, tuple[int, Sharding, Sharding | None]] = {}
+    for path, ids in ops_of.items():
+        if calls.get(path, 1) > 1:
+            continue
+        inside = set(ids)
+        outer = {v for i in ids for v in program.ops[i].inputs if v >= 0 and producer.get(v, -1) not in inside
+                 and program.values[v].role in (Role.ACTIVATION, Role.INPUT)}
+        if len(outer) != 1:
+            continue
+        v = outer.pop()
+        need = _read_as(state, v, inside)
+        if need is not None and need != state.shard[v]:
+            out[path] = (v, need, _grad_read_as(state, v, path))
+    return out
+
+
+def _grad_read_as(state: ShardingState, v: int, path: str) -> Sharding | None:
+    """The sharding of the gradient the module at `path` sends back for its input `v`: the one value of v's
+    shape that its backward ops make and ops outside them use, as they make it, or, when that is a pending
+    sum, as its first user reads it (reduce-scattered there: the tiled form); None when that is not one
+    value or stays a sum."""
+    from partir_torch.ir.program import Phase, Role
+    from partir_torch.lower import op_shardings, required_operand
+
+    program = state.program
+    sub = path + "."
+    mine = {op.id for op in program.ops if op.phase is Phase.BACKWARD and op.module
+            and (op.module == path or op.module.startswith(sub))}
+    shape = program.values[v].shape
+    users = program.users
+    sent = {w for o in mine for w in program.ops[o].outputs if w >= 0 and program.values[w].role is Role.ACTIVATION
+            and program.values[w].shape == shape and any(u not in mine for u in users[w])}
+    if len(sent) != 1:
+        return None
+    g = sent.pop()
+    maker = program.values[g].producer
+    made = op_shardings(state, maker)[1][[t.value for t in state.rules[maker].results].index(g)]
+    first = min(u for u in users[g] if u not in mine)
+    rule = state.rules[first]
+    slot = next((i for i, t in enumerate(rule.operands) if t.value == g), None)
+    read = required_operand(state, first, slot) if slot is not None else state.shard[g]
+    for sh in (made, read):
+        if not sh.partial and not sh.chunks:
+            return sh
+    return None
+
+
+def _read_as(state: ShardingState, v: int, inside: set[int]) -> Sharding | None:
+    """The one sharding the ops of `inside` read `v` in, following lone same-size single-operand ops (views,
+    casts) down to the first reshard; None when the uses disagree or the way back does not map dims."""
+    from partir_torch.lower import op_reshards
+
+    program, users = state.program, state.program.users
+    chain = []
+    cur = v
+    while True:
+        uses = [u for u in users[cur] if u in inside]
+        if not uses:
+            return None
+        reads = []
+        for u in uses:
+            moved = [dst for w, _, dst in op_reshards(state, u) if w == cur]
+            reads.append(moved[0] if moved else state.shard[cur])
+        if any(r != state.shard[cur] for r in reads):
+            if any(r != reads[0] for r in reads):
+                return None
+            need = reads[0]
+            break
+        rule = state.rules[uses[0]]
+        if len(uses) != 1 or len(rule.operands) != 1 or len(rule.results) != 1:
+            return None
+        a, b = program.values[cur], program.values[rule.results[0].value]
+        if a.numel != b.numel or a.dtype.itemsize != b.dtype.itemsize:
+            return None
+        chain.append(rule)
+        cur = rule.results[0].value
+    if need.partial or need.chunks:
+        return None
+    for rule in reversed(chain):  # back through the views: each tiled result dim to the operand dim of its factor
+        src, dst = rule.operands[0].dims, rule.results[0].dims
+        dims: list[tuple[str, ...]] = [() for _ in src]
+        for d, axes in enumerate(need.dims):
+            if not axes:
+                continue
+            f = dst[d]
+            if f is None or f not in src:
+                return None
+            dims[src.index(f)] += axes
+        need = Sharding(tuple(dims))
+    return need
 
 
 def _expander(p):
@@ -90,8 +206,8 @@ def divisibility(what: str, shape: tuple[int, ...], spec: Spec, mesh: dict[str, 
         if unknown:
             out.append(f"{what} dim {d} is tiled over {unknown}, which the mesh {mesh} does not have")
             continue
-        k = math.prod(mesh[a] for a in axes)
-        if shape[d] % k:
+        k = tile_count(Mesh.of(mesh), axes)
+        if not divides(shape[d], Mesh.of(mesh), axes):
             out.append(f"{what} dim {d} (size {shape[d]}) does not divide over {axes} ({k} devices)")
     return out
 
@@ -110,6 +226,8 @@ def specs(state: ShardingState) -> PlanSpecs:
         {k.removesuffix("."): spec for path, v in module_outputs(p).items()
          for k in full_names(path + ".", fold) for spec in [state.shard[v].to_spec()]},
         expand({n: state.shard[v].to_spec() for n, v in p.grads.items()}),
+        {k.removesuffix("."): [need.to_spec(), grad.to_spec() if grad is not None else None]
+         for path, (_, need, grad) in module_inputs(state).items() for k in full_names(path + ".", fold)},
     )
 
 
@@ -139,6 +257,7 @@ class ShardingPlan:
     buffers: dict[str, Spec] = field(default_factory=dict)
     activations: dict[str, Spec] = field(default_factory=dict)  # module path -> spec of its output
     grads: dict[str, Spec] = field(default_factory=dict)
+    module_inputs: dict[str, list] = field(default_factory=dict)  # module path -> [input spec, its gradient's or None]
     shapes: dict[str, Any] = field(default_factory=dict)  # {"params": {n: shape}, "buffers": ..., "inputs": [...]}
     input_args: list[int | str | None] = field(default_factory=list)  # forward argument of each input
     optimizer: str | None = None
@@ -151,24 +270,30 @@ class ShardingPlan:
         expand = _expander(p)
         shapes = {"params": expand({n: list(p.values[v].shape) for n, v in p.params.items()}),
                   "buffers": expand({n: list(p.values[v].shape) for n, v in p.buffers.items()}),
-                  "inputs": [list(p.values[v].shape) for v in p.inputs]}
+                  "inputs": [list(p.values[v].shape) for v in p.inputs],
+                  "module_inputs": {k.removesuffix("."): list(p.values[v].shape)
+                                    for path, (v, _, _) in module_inputs(state).items()
+                                    for k in full_names(path + ".", p.fold)}}
         return cls(dict(state.mesh.axes), sp.params, sp.inputs, sp.optimizer_state, cost.to_json(), schedule,
                    hardware, sorted(dcn_axes), [c.describe(p) for c in state.conflicts], search,
                    buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}),
-                   activations=sp.activations, grads=sp.grads, shapes=shapes, input_args=list(p.input_args),
+                   activations=sp.activations, grads=sp.grads, module_inputs=sp.module_inputs, shapes=shapes,
+                   input_args=list(p.input_args),
                    optimizer=p.optimizer, program_hash=p.content_hash())
 
     @property
     def specs(self) -> PlanSpecs:
         """What a backend applies."""
-        return PlanSpecs(self.params, self.inputs, self.optimizer_state, self.activations, self.grads)
+        return PlanSpecs(self.params, self.inputs, self.optimizer_state, self.activations, self.grads,
+                         self.module_inputs)
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "mesh": {"axes": self.mesh, "dcn": self.dcn_axes}, "schedule": self.schedule,
                "hardware": self.hardware, "optimizer": self.optimizer, "program_hash": self.program_hash,
                "params": self.params, "buffers": self.buffers, "inputs": self.inputs, "input_args": self.input_args,
                "optimizer_state": self.optimizer_state, "activations": self.activations, "grads": self.grads,
-               "shapes": self.shapes, "cost": self.cost, "conflicts": self.conflicts}
+               "module_inputs": self.module_inputs, "shapes": self.shapes, "cost": self.cost,
+               "conflicts": self.conflicts}
         if self.search is not None:
             out["search"] = self.search
         return out
@@ -182,7 +307,8 @@ class ShardingPlan:
         return cls(dict(d["mesh"]["axes"]), d["params"], d["inputs"], d["optimizer_state"], d["cost"],
                    d.get("schedule"), d.get("hardware"), list(d["mesh"].get("dcn", [])), d.get("conflicts", []),
                    d.get("search"), d.get("buffers", {}), d.get("activations", {}), d.get("grads", {}),
-                   d.get("shapes", {}), d.get("input_args", []), d.get("optimizer"), d.get("program_hash"))
+                   d.get("module_inputs", {}), d.get("shapes", {}), d.get("input_args", []), d.get("optimizer"),
+                   d.get("program_hash"))
 
     def save(self, path: str | os.PathLike) -> None:
         """The plan as JSON (`ShardingPlan.load` reads it back)."""
@@ -275,26 +401,14 @@ class ShardingPlan:
         got, mine = specs(state), self.specs
         for kind, a, b in (("parameter", got.params, mine.params), ("gradient of", got.grads, mine.grads),
                            ("output of module", got.activations, mine.activations)):
-            problems += [f"{kind} {n}: the plan says {b[n]}, applying it gives {a[n]}" for n in b if n in a and a[n] != b[n]]
+            problems += [f"{kind} {n}: the plan says {b[n]}, applying it gives {a[n]}"
+                         for n in b if n in a and a[n] != b[n]]
         problems += [f"input {i}: the plan says {b}, applying it gives {a}"
                      for i, (a, b) in enumerate(zip(got.inputs, mine.inputs)) if a != b]
         if problems:
             raise PlanMismatchError("the plan cannot be rebuilt on this program as saved (was it made for another "
                                     "model, config or partir_torch version?):\n  - " + "\n  - ".join(problems[:20]))
         return state
-
-    def input_sharding(self, i: int):
-        """torch_xla's sharding of input `i` (for `MpDeviceLoader(..., input_sharding=...)`)."""
-        from partir_torch.backends import xla
-
-        return xla.input_sharding(self, i)
-
-    def verify(self, model, example_inputs, **kwargs):
-        """Compile the step as `auto_shard` applies this plan and compare XLA's collectives and memory with
-        the prediction (`partir_torch.backends.verify.verify`)."""
-        from partir_torch.backends.verify import verify
-
-        return verify(self, model, example_inputs, **kwargs)
 
     def table(self, top: int = 20) -> str:
         """Sharded parameters, one line each, then the cost: readable in a terminal."""
@@ -306,7 +420,8 @@ class ShardingPlan:
         rows = [(f"{k} (x{len(ns)})" if len(ns) > 1 else ns[0], json.loads(sp)) for (k, sp), ns in collapsed.items()]
         w = max((len(n) for n, _ in rows[:top]), default=10)
         lines = [f"mesh {self.mesh}" + (f" (dcn: {', '.join(self.dcn_axes)})" if self.dcn_axes else "")
-                 + (f", schedule {self.schedule}" if self.schedule else "") + (f", hardware {self.hardware}" if self.hardware else ""),
+                 + (f", schedule {self.schedule}" if self.schedule else "")
+                 + (f", hardware {self.hardware}" if self.hardware else ""),
                  f"{len(sharded)} of {len(self.params)} parameters sharded:"]
         lines += [f"  {n:<{w}}  {s}" for n, s in rows[:top]]
         if len(rows) > top:
@@ -315,5 +430,6 @@ class ShardingPlan:
         lines.append(f"step {c['step_time_s'] * 1e3:.2f} ms (compute {c['compute_time_s'] * 1e3:.2f}, communication "
                      f"{c['comm_time_s'] * 1e3:.2f}); peak memory {format_bytes(c['peak_memory_bytes'])} per device "
                      f"({'fits' if c['feasible'] else 'DOES NOT FIT'} in {format_bytes(c['memory_limit'])})")
-        lines.append("communication per device: " + (", ".join(f"{k} {format_bytes(v)}" for k, v in c["comm_bytes"].items()) or "none"))
+        comm = ", ".join(f"{k} {format_bytes(v)}" for k, v in c["comm_bytes"].items())
+        lines.append("communication per device: " + (comm or "none"))
         return "\n".join(lines)

@@ -23,12 +23,13 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from partir_torch.analysis import Analysis
 from partir_torch.errors import IllegalActionError, PartirError
 from partir_torch.ir.actions import Replicate, Tile
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Program
-from partir_torch.ir.sharding import Sharding
-from partir_torch.rules.base import OpRule, rule_for
+from partir_torch.ir.sharding import Sharding, divides, tile_count
+from partir_torch.rules.base import OpRule
 
 
 @dataclass(frozen=True)
@@ -45,85 +46,68 @@ class Conflict:
         return f"op {self.op} {program.ops[self.op].target} on {self.axis!r}: {self.why} ({names})"
 
 
-def program_rules(program: Program, *, fallback: bool = False) -> list[OpRule]:
-    """The rule of every op, computed once per program (rules only read shapes and args)."""
-    cached = getattr(program, "_rules", None)
-    if cached is None:
-        cached = [rule_for(op, program, fallback=fallback) for op in program.ops]
-        program._rules = cached  # type: ignore[attr-defined]
-    return cached
+def program_rules(program: Program, mesh: Mesh, *, fallback: bool = False) -> list[OpRule]:
+    """The rule of every op (`Analysis.rules`: built once per program and mesh)."""
+    return Analysis.of(program, mesh, fallback=fallback).rules
 
 
-def _peer_keys(program: Program) -> dict[int, str]:
-    """Value id -> the name with its parameter replaced by the group key (equal for repeated-layer peers)."""
-    keys: dict[int, str] = {}
-    for g in program.groups:
-        for m in g.members:
-            name = program.values[m].name
-            for p in g.params:
-                if name == p or name.endswith(f"[{p}]"):
-                    keys[m] = name[: len(name) - len(p) - (1 if name.endswith("]") else 0)] + g.key + ("]" if name.endswith("]") else "")
-                    break
-    return keys
+MOVES = {"permute", "reshape"}  # rules of pure data movement, linear in their one operand
 
 
-_MOVES = {"permute", "reshape"}  # rules of pure data movement, linear in their one operand
+class Changes:
+    """A record of what a state's decisions changed: the values whose sharding was written and the ops whose
+    factor assignment or passed-through sums were, since the record before (`parent`). A state writes to
+    its open record; `ShardingState.seal` closes it. Whoever computes something from a state (the cost
+    model) keys it by the closed record and later catches up along the records after it. `forked`: a
+    copy of the state continues from this record too."""
+
+    __slots__ = ("__weakref__", "forked", "ops", "parent", "values")
+
+    def __init__(self, parent: Changes | None = None) -> None:
+        self.parent, self.forked = parent, False
+        self.values: set[int] = set()
+        self.ops: set[int] = set()
 
 
 class ShardingState:
-    """Shardings of every value and factor assignments of every op, for one program on one mesh."""
+    """Shardings of every value and factor assignments of every op, for one program on one mesh: the
+    program's `Analysis` (shared), the decisions (own), and the record of their changes."""
 
-    def __init__(self, program: Program, mesh: Mesh, *, fallback: bool = False) -> None:
-        self.program, self.mesh = program, mesh
-        self.rules = program_rules(program, fallback=fallback)
+    def __init__(self, program: Program, mesh: Mesh, *, fallback: bool = False,
+                 analysis: Analysis | None = None) -> None:
+        an = analysis if analysis is not None else Analysis.of(program, mesh, fallback=fallback)
+        self.analysis, self.program, self.mesh = an, an.program, an.mesh
+        self.rules, self.touch, self.peers, self.templates = an.rules, an.touch, an.peers, an.templates
         self.shard = [Sharding.replicated(len(v.shape)) for v in program.values]
         self.assign: list[dict[int, tuple[str, ...]]] = [{} for _ in program.ops]
         self.passthrough: list[frozenset[str]] = [frozenset()] * len(program.ops)  # partial axes moved through
         self.locked: list[frozenset[str]] = [frozenset()] * len(program.values)
         self.conflicts: list[Conflict] = []
         self.actions: list[Tile | Replicate] = []
-        self.touch = getattr(program, "_touch", None)
-        if self.touch is None:
-            touch: list[list[int]] = [[] for _ in program.values]
-            for i, r in enumerate(self.rules):
-                for t in (*r.operands, *r.results):
-                    if not touch[t.value] or touch[t.value][-1] != i:
-                        touch[t.value].append(i)
-            self.touch = touch
-            program._touch = touch  # type: ignore[attr-defined]
-        cached = getattr(program, "_peers", None)
-        if cached is None:
-            by_key: dict[str, list[int]] = {}
-            keys = _peer_keys(program)
-            for v, k in keys.items():
-                by_key.setdefault(k, []).append(v)
-            cached = ({v: by_key[k] for v, k in keys.items()}, by_key)
-            program._peers = cached  # type: ignore[attr-defined]
-        self.peers, self.templates = cached
         self.changed: set[int] = set()  # values whose sharding left the replicated default
-        # for the cost model's incremental evaluation (cost/model.py): what changed since this state was
-        # last evaluated (every write of shard[v] marks v; of assign[o] or passthrough[o] marks o), and the
-        # per-state cost cache, shared copy-on-write by copies
-        self.dirty_values: set[int] = set()
-        self.dirty_ops: set[int] = set()
-        self.cost_cache = None
-        layouts = getattr(program, "_layouts", None)
-        if layouts is None:
-            layouts = [None] * len(program.ops)
-            program._layouts = layouts  # type: ignore[attr-defined]
-        self._layouts = layouts
+        self.record = Changes()  # the open record of changes (every write of shard[v] marks v; of assign[o] or
+        # passthrough[o] marks o)
 
     def copy(self) -> ShardingState:
-        """An independent state sharing the program and its caches (the search branches from it)."""
+        """An independent state sharing the analysis (the search branches from it)."""
         new = object.__new__(ShardingState)
-        new.__dict__.update(self.__dict__)
+        new.analysis, new.program, new.mesh = self.analysis, self.program, self.mesh
+        new.rules, new.touch, new.peers, new.templates = self.rules, self.touch, self.peers, self.templates
         new.shard, new.locked, new.passthrough = list(self.shard), list(self.locked), list(self.passthrough)
-        new.assign = list(self.assign)
+        new.assign = list(self.assign)  # the dicts are copied on write (`_step`)
         new.conflicts, new.actions, new.changed = list(self.conflicts), list(self.actions), set(self.changed)
-        new.dirty_values, new.dirty_ops = set(self.dirty_values), set(self.dirty_ops)
-        if self.cost_cache is not None:
-            self.cost_cache.shared = True  # whichever of the two evaluates next works on its own clone
+        sealed = self.seal()
+        sealed.forked = True
+        new.record = Changes(sealed)
         return new
+
+    def seal(self) -> Changes:
+        """Close the open record of changes and return it (the last closed one when nothing changed since)."""
+        rec = self.record
+        if rec.parent is not None and not rec.values and not rec.ops:
+            return rec.parent
+        self.record = Changes(rec)
+        return rec
 
     # -- actions --------------------------------------------------------------------------------------
     def resolve(self, target: str) -> list[int]:
@@ -156,7 +140,7 @@ class ShardingState:
                 continue  # already implied by propagation
             self.shard[v] = self.shard[v].tile(action.dim, action.axis, value=val.name, shape=val.shape, mesh=self.mesh)
             self.changed.add(v)
-            self.dirty_values.add(v)
+            self.record.values.add(v)
             changed.append(v)
         self.actions.append(action)
         self.propagate(action.axis, changed)
@@ -185,7 +169,7 @@ class ShardingState:
         except IllegalActionError:
             return False
         self.changed.add(v)
-        self.dirty_values.add(v)
+        self.record.values.add(v)
         return True
 
     def propagate(self, axis: str, seeds: Iterable[int]) -> None:
@@ -237,21 +221,21 @@ class ShardingState:
 
     def _step(self, o: int, axis: str) -> list[int]:
         rule = self.rules[o]
-        if rule.name in _MOVES and axis in self.shard[rule.operands[0].value].partial:
+        if rule.name in MOVES and axis in self.shard[rule.operands[0].value].partial:
             # a pending sum moves through pure data movement (transposes, reshapes): reduce later, once
             if axis not in self.passthrough[o]:
                 self.passthrough[o] = self.passthrough[o] | {axis}
-                self.dirty_ops.add(o)
+                self.record.ops.add(o)
             changed = []
             for t in rule.results:
                 sh = self.shard[t.value]
                 if axis not in sh.axes and axis not in self.locked[t.value]:
                     self.shard[t.value] = Sharding(sh.dims, sh.partial | {axis})
                     self.changed.add(t.value)
-                    self.dirty_values.add(t.value)
+                    self.record.values.add(t.value)
                     changed.append(t.value)
             return changed
-        tensors, carriers = self._layout(o)
+        tensors, carriers = self.analysis.layout(o)
         f = self.factor_of(o, axis)
         if f is None:
             cands: dict[int, list[int]] = {}
@@ -275,17 +259,16 @@ class ShardingState:
             if f in rule.replicate:
                 self._conflict(o, axis, f"factor {rule.letters[f]!r} needs replication", tuple(vals))
                 return []
-            k = self.mesh.size(axis)
-            for ax in self.assign[o].get(f, ()):
-                k *= self.mesh.size(ax)
+            axes = (*self.assign[o].get(f, ()), axis)
             values = self.program.values
             for v, d in carriers.get(f, ()):
-                if values[v].shape[d] % k:
+                if not divides(values[v].shape[d], self.mesh, axes):
+                    k = tile_count(self.mesh, axes)
                     self._conflict(o, axis, f"factor {rule.letters[f]!r} of {values[v].name} "
                                    f"{list(values[v].shape)} does not divide by {k}", (v,))
                     return []
             self.assign[o] = {**self.assign[o], f: (*self.assign[o].get(f, ()), axis)}  # copy on write (copy())
-            self.dirty_ops.add(o)
+            self.record.ops.add(o)
         changed: list[int] = [v for v, d in carriers.get(f, ()) if self._tile(v, d, axis)]
         for t, red in zip(rule.results, rule.reduced):
             if f in red and f not in t.dims:
@@ -294,24 +277,9 @@ class ShardingState:
                 if axis not in sh.axes and axis not in self.locked[v]:
                     self.shard[v] = Sharding(sh.dims, sh.partial | {axis})
                     self.changed.add(v)
-                    self.dirty_values.add(v)
+                    self.record.values.add(v)
                     changed.append(v)
         return changed
-
-    def _layout(self, o: int):
-        """(tensors as (value, dims), {factor: ((value, dim), ...)}) of op `o`, cached on the program."""
-        cache = self._layouts
-        entry = cache[o]
-        if entry is None:
-            rule = self.rules[o]
-            tensors = tuple((t.value, t.dims) for t in (*rule.operands, *rule.results))
-            carriers: dict[int, list[tuple[int, int]]] = {}
-            for v, dims in tensors:
-                for d, f in enumerate(dims):
-                    if f is not None:
-                        carriers.setdefault(f, []).append((v, d))
-            entry = cache[o] = (tensors, carriers)
-        return entry
 
     def _conflict(self, op: int, axis: str, why: str, values: tuple[int, ...]) -> None:
         if not any(c.op == op and c.axis == axis for c in self.conflicts[-8:]):

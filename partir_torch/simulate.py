@@ -41,7 +41,8 @@ _SHAPE_ARG = {
     "aten.upsample_linear1d_backward.default": 2, "aten.upsample_nearest3d_backward.default": 2,
     "aten.upsample_bicubic2d_backward.default": 2,
     "aten.slice_backward.default": 1, "aten.new_zeros.default": 1, "aten.new_ones.default": 1,
-    "aten.new_empty.default": 1, "aten.new_full.default": 1, "aten.new_empty_strided.default": 1, "aten.rand.default": 0, "aten.randn.default": 0,
+    "aten.new_empty.default": 1, "aten.new_full.default": 1, "aten.new_empty_strided.default": 1,
+    "aten.rand.default": 0, "aten.randn.default": 0,
     "aten.view_copy.default": 1, "aten.expand_copy.default": 1,
 }
 
@@ -88,7 +89,9 @@ class _Mesh:
             locs.append(t)
         return locs
 
-    def gather(self, locs: list[torch.Tensor], sh: Sharding, shape: tuple[int, ...], dtype) -> tuple[torch.Tensor, float]:
+    def gather(
+        self, locs: list[torch.Tensor], sh: Sharding, shape: tuple[int, ...], dtype
+    ) -> tuple[torch.Tensor, float]:
         used = {a for ax in sh.dims for a in ax} | set(sh.partial)
         g = torch.zeros(shape, dtype=dtype)
         for c, t in zip(self.coords, locs):

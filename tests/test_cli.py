@@ -58,7 +58,8 @@ def test_coverage_json(capsys):
 
 
 def test_simulate_json(capsys):
-    argv = ["simulate", "tiny-mlp", "--mesh", "batch=2,model=4", "--schedule", "batch:BatchParallel;model:Megatron", "--json"]
+    argv = ["simulate", "tiny-mlp", "--mesh", "batch=2,model=4", "--schedule", "batch:BatchParallel;model:Megatron",
+            "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["max_abs_diff"] <= 1e-5 and out["mesh"] == {"batch": 2, "model": 4}

@@ -6,7 +6,7 @@ import pytest
 
 from partir_torch.cost.model import collective_time
 from partir_torch.ir import Mesh, Sharding
-from partir_torch.lower import Collective, transitions
+from partir_torch.lower import Collective, reshard, transitions
 
 MESH = Mesh.parse("data=2,fsdp=4,model=2")
 SHAPE, ITEM = (64, 32), 4
@@ -42,3 +42,30 @@ def test_the_slow_axis_listed_first_moves_the_least():
     mesh = Mesh.parse("batch=2,model=4")
     steps = transitions(Sharding(((),), frozenset({"batch", "model"})), Sharding.replicated(1), (1 << 20,), 4, mesh)
     assert steps == [("all-reduce", "model", 4 << 20), ("all-reduce", "batch", 1 << 20)]
+
+
+
+def test_a_value_and_its_transpose_resharded_alike_are_one_collective():
+    """A searched GPT-2 plan (batch and weights on one axis) gathers the fused-QKV gradient for one matmul and
+    its transpose for another: XLA gathers once (`tests/backends/test_verify.py` measures it), so `lower`
+    counts one; the cost model agrees to the byte."""
+    from partir_torch import capture, models
+    from partir_torch.cost import evaluate, hardware
+    from partir_torch.lower import dedup_key, end_reshards, lower, op_reshards, relayouts, summarize
+    from partir_torch.search.api import Auto, Budget, SearchConfig
+    from partir_torch.tactics import apply_schedule
+
+    net, inputs, loss_fn = models.build("tiny-gpt2", {"batch": "8"}, device="meta")
+    program = capture(net, inputs, loss_fn, "adamw", fold=False)
+    mesh, hw = Mesh.parse("batch=2,model=4"), hardware("cpu-virtual")
+    memory = int(0.4 * evaluate(apply_schedule(program, mesh, []), hw).peak_memory_bytes)
+    state = apply_schedule(program, mesh, [Auto(goal="time")],
+                           search=SearchConfig(hw, frozenset(), memory, 0, Budget.parse(100), "mcts", False))
+    relay = relayouts(program, state.rules)
+    cands = [(v, s, d) for o in state.active_ops() for v, s, d in op_reshards(state, o)] + end_reshards(state)
+    merged = len({(v, d) for v, _, d in cands}) - len({dedup_key(state, relay, v, s, d) for v, s, d in cands})
+    assert merged > 0, "no value is resharded together with its re-layout: the test would not test the dedup"
+    plain = sum(b for v, s, d in {(v, s, d) for v, s, d in cands} for _, _, b in reshard(state, v, s, d)[0])
+    counted = sum(c.bytes for c in lower(state))
+    assert counted < plain  # the merged reshards are not counted twice
+    assert evaluate(state, hw).comm_bytes == summarize(lower(state))

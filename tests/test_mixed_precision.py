@@ -68,7 +68,8 @@ def test_bf16_activations_are_costed_at_two_bytes():
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # Megatron finds the pair through autocast's weight casts
             state = apply_schedule(p, Mesh.parse("batch=2,model=2"), "batch:BatchParallel;model:Megatron")
-        fwd = [c for c in lower(state) if c.axis == "model" and p.ops[p.values[c.value].producer].phase.name == "FORWARD"]
+        fwd = [c for c in lower(state)
+               if c.axis == "model" and p.ops[p.values[c.value].producer].phase.name == "FORWARD"]
         assert len(fwd) == 1  # fc2's partial output, all-reduced over the model axis
         return fwd[0].bytes
 

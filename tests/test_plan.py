@@ -104,7 +104,8 @@ def test_a_plan_that_does_not_fit_says_every_mismatch(tmp_path):
     with pytest.raises(PlanMismatchError, match=r"input 0 has shape \[3, 16\]"):
         plan.check(same, small)
     plan.shapes["inputs"][0] = [3, 16]  # shape as planned, but the batch axis no longer divides it
-    with pytest.raises(PlanMismatchError, match=r"input 0 dim 0 \(size 3\) does not divide over \['batch'\] \(2 devices\)"):
+    with pytest.raises(PlanMismatchError,
+                       match=r"input 0 dim 0 \(size 3\) does not divide over \['batch'\] \(2 devices\)"):
         plan.check(same, small)
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(PartirError, match=r"is not a saved ShardingPlan"):

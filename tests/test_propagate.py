@@ -125,7 +125,8 @@ def test_typed_errors_show_values():
     model, inputs, loss_fn = models.build("tiny-mlp", device="meta")
     p = capture(model, inputs, loss_fn, "sgd")
     state = ShardingState(p, Mesh.parse("batch=2,model=3"))
-    with pytest.raises(IllegalActionError, match=r"cannot tile layers\.0\.fc1\.weight \[32, 16\] dim 0 \(size 32\) over 'model'.*3 \(model=3\)"):
+    with pytest.raises(IllegalActionError, match=r"cannot tile layers\.0\.fc1\.weight \[32, 16\] dim 0 \(size 32\) "
+                                                 r"over 'model'.*3 \(model=3\)"):
         state.apply(Tile("layers.0.fc1.weight", 0, "model"))
     with pytest.raises(MeshError, match=r"unknown mesh axis 'data'; this mesh has axes \['batch', 'model'\]"):
         state.apply(Tile("layers.0.fc1.weight", 0, "data"))

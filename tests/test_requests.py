@@ -90,7 +90,8 @@ def test_config_values_reach_a_factory_typed(tmp_path):
     f.write_text(
         "import torch, torch.nn as nn\n"
         "def make(width=8, scale=1.0, bias=True, name='x', extra=None):\n"
-        "    assert isinstance(width, int) and isinstance(scale, float) and isinstance(bias, bool), (width, scale, bias)\n"
+        "    assert isinstance(width, int) and isinstance(scale, float) and isinstance(bias, bool), \\\n"
+        "        (width, scale, bias)\n"
         "    assert isinstance(name, str) and extra == 3\n"
         "    m = nn.Linear(width, 1, bias=bias)\n"
         "    return m, (torch.randn(2, width),), lambda mod, x: mod(x).sum() * scale\n"
@@ -163,7 +164,8 @@ def test_a_step_torch_rejects_fails_at_capture_with_torchs_message(x, torch_says
     m = nn.Linear(8, 4)
     with pytest.raises(RuntimeError, match=torch_says):  # what eager torch says
         m(x)
-    with pytest.raises(CaptureError, match=rf"torch rejects this step: {torch_says} \(op aten\.addmm\.default.*x\.float\(\)"):
+    with pytest.raises(CaptureError,
+                       match=rf"torch rejects this step: {torch_says} \(op aten\.addmm\.default.*x\.float\(\)"):
         capture(m, (x,), lambda mod, x: mod(x).sum(), "sgd")
 
 

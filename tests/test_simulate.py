@@ -54,7 +54,10 @@ def random_plan(program, mesh, seed):
 def test_zoo_plan_matches_unsharded(name, mesh, schedule):
     program, params, buffers, inputs, states = workload(name)
     mesh = Mesh.parse(mesh)
-    state = random_plan(program, mesh, hash(name) % 1000) if schedule == "random" else apply_schedule(program, mesh, schedule)
+    if schedule == "random":
+        state = random_plan(program, mesh, hash(name) % 1000)
+    else:
+        state = apply_schedule(program, mesh, schedule)
     res = simulate(program, state, params, buffers, inputs, states)
     assert res.max_abs_diff <= 1e-5, sorted(res.diffs.items(), key=lambda kv: -kv[1])[:3]
     assert res.replica_mismatch <= 1e-5

@@ -12,7 +12,7 @@ all-reduce B bytes) so the two can be compared; `predicted` is what a TPU/GPU pi
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from partir_torch.backends.xla_worker import run_step
@@ -64,8 +64,7 @@ def calibrate(model: str, mesh: str, schedule: str, *, overrides: dict[str, str]
     for k, b in predicted.items():
         as_cpu["all-reduce" if k == "reduce-scatter" else k] += b
     sp = specs(state)
-    step = run_step(model, m, sp.params, sp.inputs, sp.optimizer_state, sp.activations if constrain else None,
-                    sp.grads if constrain else None,
+    step = run_step(model, m, sp if constrain else replace(sp, activations={}, grads={}),
                     overrides=overrides, optimizer=optimizer, plain_layer_norm=plain_layer_norm)
     xla: dict[str, int] = defaultdict(int)
     for c in step.collectives:

@@ -122,7 +122,9 @@ def find_step_module(dump_dir: str | Path) -> tuple[Path, Path | None]:
     """The largest partitioned module in a dump (the training step), and its memory report."""
     files = sorted(Path(dump_dir).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)
     if not files:
-        raise FileNotFoundError(f"no *after_optimizations.txt in {dump_dir}; was XLA_FLAGS set before torch_xla started?")
+        raise FileNotFoundError(
+            f"no *after_optimizations.txt in {dump_dir}; was XLA_FLAGS set before torch_xla started?"
+        )
     hlo = files[-1]
     mem = Path(str(hlo).replace("after_optimizations.txt", "after_optimizations-memory-usage-report.txt"))
     return hlo, mem if mem.exists() else None

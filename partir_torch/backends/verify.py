@@ -71,11 +71,11 @@ class VerifyReport:
         kinds = sorted(set(self.predicted["comm_bytes"]) | set(self.measured["comm_bytes"]))
         for k in kinds:
             r = self.ratio(k)
-            t.add_row(k, format_bytes(self.predicted["comm_bytes"].get(k, 0)), format_bytes(self.measured["comm_bytes"].get(k, 0)),
-                      "-" if r is None else f"{r:.2f}")
+            t.add_row(k, format_bytes(self.predicted["comm_bytes"].get(k, 0)),
+                      format_bytes(self.measured["comm_bytes"].get(k, 0)), "-" if r is None else f"{r:.2f}")
         mr = self.memory_ratio
-        t.add_row("peak memory", format_bytes(self.predicted["peak_memory_bytes"]), format_bytes(self.measured["peak_memory_bytes"] or 0),
-                  "-" if mr is None else f"{mr:.2f}")
+        t.add_row("peak memory", format_bytes(self.predicted["peak_memory_bytes"]),
+                  format_bytes(self.measured["peak_memory_bytes"] or 0), "-" if mr is None else f"{mr:.2f}")
         con = Console(width=110, record=True, file=open(os.devnull, "w"))  # noqa: SIM115 (rich needs a file)
         con.print(t)
         lines = [con.export_text().rstrip()]

@@ -13,10 +13,14 @@ What `shard_module` does to the user's model, all of it undone by `unshard(model
    resolves conflicts its own way and runs another program than the one costed (docs/cost-model.md);
 3. a forward pre-hook on the root shards the batch tensors that reach `forward` (moving host tensors to
    the device), and checks their shapes against the plan's;
-4. while the root's forward runs, a `TorchFunctionMode` runs `F.layer_norm` as reductions over the
-   normalized dims and `F.scaled_dot_product_attention` as einsums over [B, H, T, d]: torch_xla lowers the
-   first to batch-norm over a [1, B*T, D] reshape and the second to matmuls over a [B*H, T, d] reshape, and
-   GSPMD loses the batch / head sharding in both (the same math, so the same numerics).
+4. while the root's forward runs, a `TorchFunctionMode` runs `F.layer_norm` and `F.group_norm` as
+   reductions over the normalized dims and `F.scaled_dot_product_attention` as einsums over [B, H, T, d]:
+   torch_xla lowers the norms to batch-norm over a [1, B*T, D] (or [1, N*G, ...]) reshape and attention to
+   matmuls over a [B*H, T, d] reshape, and GSPMD loses the batch / head sharding in all three (the same
+   math, so the same numerics);
+5. each module whose input the plan reshards on entry (`plan.module_inputs`: LayerNorm's input gathered,
+   say) gets a forward pre-hook that constrains that input (and its gradient) the same way, so that
+   GSPMD reshards there and not after the module.
 The caller's original tensors are kept (not modified) for `unshard`, which copies the trained values back
 into them. The optimizer is rebuilt on the moved parameters (`shard_optimizer`): same class, param groups
 and hyperparameters, with `foreach=False` and `capturable=True` (implementation options: one graph per
@@ -175,6 +179,20 @@ def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     return y
 
 
+def _group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
+    n, c = x.shape[:2]
+    xg = x.reshape(n, num_groups, -1)
+    mu = xg.mean(-1, keepdim=True)
+    xc = xg - mu
+    y = (xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)).reshape(x.shape)
+    per_channel = (1, c) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.reshape(per_channel)
+    if bias is not None:
+        y = y + bias.reshape(per_channel)
+    return y
+
+
 def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
@@ -200,6 +218,7 @@ class Lowerings(TorchFunctionMode):
         self.table: dict[Callable, Callable] = {}
         if layer_norm:
             self.table[F.layer_norm] = _layer_norm
+            self.table[F.group_norm] = _group_norm
         if attention:
             self.table[F.scaled_dot_product_attention] = _attention
         self.depth = 0
@@ -216,6 +235,31 @@ class Lowerings(TorchFunctionMode):
         self.depth -= 1
         if self.table and self.depth == 0:
             self.__exit__(None, None, None)
+
+
+class _Constrain(torch.autograd.Function):
+    """A sharding constraint on a new tensor (the caller's keeps its own), and on its gradient when `grad_spec`
+    is given: `mark_sharding_with_gradients` with the gradient left to GSPMD when the plan does not say."""
+
+    @staticmethod
+    def forward(ctx, t, mesh, spec, grad_spec):
+        _, xs, _ = _xla()
+        ctx.mesh, ctx.grad_spec = mesh, grad_spec
+        out = t.clone()
+        xs.mark_sharding(out, mesh, spec)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.grad_spec is not None:
+            _, xs, _ = _xla()
+            g = g.clone()
+            xs.mark_sharding(g, ctx.mesh, ctx.grad_spec)
+        return g, None, None, None
+
+
+def constrain(t: torch.Tensor, mesh, spec: tuple, grad_spec: tuple | None) -> torch.Tensor:
+    return _Constrain.apply(t, mesh, spec, grad_spec)
 
 
 # -- applying a plan to a module ------------------------------------------------------------------------------
@@ -247,7 +291,8 @@ def _slots(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
     out = []
     for mod in model.modules():
         out += [(mod, n, p, True) for n, p in mod.named_parameters(recurse=False, remove_duplicate=False)]
-        out += [(mod, n, b, False) for n, b in mod.named_buffers(recurse=False, remove_duplicate=False) if b is not None]
+        out += [(mod, n, b, False) for n, b in mod.named_buffers(recurse=False, remove_duplicate=False)
+                if b is not None]
     return out
 
 
@@ -265,8 +310,9 @@ def shard_module(model: nn.Module, plan: ShardingPlan, mesh=None, *, lowerings: 
     on_meta = sorted({id(t) for _, _, t, _ in slots if t.is_meta})
     if on_meta and len(on_meta) != len({id(t) for _, _, t, _ in slots}):
         meta_names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-        raise XlaError(f"some parameters or buffers are on the meta device and others are not ({', '.join(meta_names[:5])}"
-                       f"{' …' if len(meta_names) > 5 else ''}): build the model wholly on meta, or wholly with weights")
+        raise XlaError(f"some parameters or buffers are on the meta device and others are not "
+                       f"({', '.join(meta_names[:5])}{' …' if len(meta_names) > 5 else ''}): "
+                       "build the model wholly on meta, or wholly with weights")
     names = {id(p): n for n, p in model.named_parameters()}
     bnames = {id(b): n for n, b in model.named_buffers()}
     record = Sharded(plan, mesh, [(m, a, t) for m, a, t, _ in slots], names, lowerings=lowerings or Lowerings(),
@@ -341,6 +387,27 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
                            "the plan was made for another model (search again)") from e
         rec.handles.append(mod.register_forward_hook(constrain_to(_spec(spec, len(spec)))))
 
+    def read_as(spec: tuple, grad: tuple | None, shape: list[int] | None):
+        def hook(mod, args, kwargs):
+            slots = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            slots += [(k, a) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
+            hits = [(k, a) for k, a in slots if (list(a.shape) == shape if shape else a.dim() == len(spec))]
+            if len(hits) != 1:
+                return None
+            k, a = hits[0]
+            a = constrain(a, mesh, spec, grad)
+            if isinstance(k, int):
+                return (*args[:k], a, *args[k + 1:]), kwargs
+            return args, {**kwargs, k: a}
+
+        return hook
+
+    in_shapes = plan.shapes.get("module_inputs", {})
+    for path, (spec, grad) in plan.module_inputs.items():  # where the plan reshards a module's input on entry
+        rec.handles.append(model.get_submodule(path).register_forward_pre_hook(
+            read_as(_spec(spec, len(spec)), _spec(grad, len(grad)) if grad is not None else None,
+                    in_shapes.get(path)), with_kwargs=True))
+
     def grad_to(spec: tuple):
         def hook(g):
             xs.mark_sharding(g, mesh, spec)
@@ -385,7 +452,8 @@ def shard_input(rec: Sharded, i: int, x: torch.Tensor) -> torch.Tensor:
         bad = divisibility(f"input {i}", tuple(x.shape), spec or [], plan.mesh)
         if bad or x.dim() != len(want):
             raise XlaError(f"input {i} has shape {list(x.shape)}, the plan was made for {want}: " + "; ".join(bad)
-                           + ". Drop the last partial batch (DataLoader(drop_last=True)) or pad it to the planned shape")
+                           + ". Drop the last partial batch (DataLoader(drop_last=True)) "
+                           "or pad it to the planned shape")
         if (i, tuple(x.shape)) not in rec.warned_shapes:
             rec.warned_shapes.add((i, tuple(x.shape)))
             log.warning("input %d has shape %s, the plan was made for %s: sharded as planned; XLA compiles "
@@ -445,7 +513,9 @@ def unshard(model: nn.Module) -> nn.Module:
             with torch.no_grad():
                 if orig.is_meta:
                     data = now.detach().cpu()
-                    copied[id(orig)] = nn.Parameter(data, orig.requires_grad) if isinstance(orig, nn.Parameter) else data
+                    copied[id(orig)] = (
+                        nn.Parameter(data, orig.requires_grad) if isinstance(orig, nn.Parameter) else data
+                    )
                 else:
                     orig.copy_(now.detach().to(orig.device))
                     copied[id(orig)] = orig
@@ -539,3 +609,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, batc
     optimizer.zero_grad(set_to_none=True)
     torch_xla.sync()
     return loss.detach()
+
+
+def sync() -> None:
+    """Run the pending XLA graph (`torch_xla.sync()`), for callers outside the backends."""
+    import torch_xla
+
+    torch_xla.sync()

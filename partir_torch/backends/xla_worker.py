@@ -31,7 +31,7 @@ from partir_torch.backends.hlo import (
 )
 from partir_torch.backends.xla import XlaError
 from partir_torch.ir.mesh import Mesh
-from partir_torch.plan import ShardingPlan
+from partir_torch.plan import PlanSpecs, ShardingPlan
 
 # the optimizers of jobs named by kind (the calibration's and the CLI's)
 OPTIMIZERS = {"sgd": ("SGD", {"lr": 1e-2, "momentum": 0.9}), "adam": ("Adam", {"lr": 1e-3}),
@@ -85,14 +85,12 @@ def run(plan: ShardingPlan, source: dict[str, Any], *, optimizer: str | None = N
                    out.get("state_shardings"))
 
 
-def run_step(model: str, mesh: Mesh, param_specs: dict[str, list], input_specs: list | None = None,
-             state_specs: dict[str, dict[str, list]] | None = None, activation_specs: dict[str, list] | None = None,
-             grad_specs: dict[str, list] | None = None, *, overrides: dict[str, str] | None = None,
+def run_step(model: str, mesh: Mesh, specs: PlanSpecs, *, overrides: dict[str, str] | None = None,
              optimizer: str = "adamw", seed: int = 0, return_params: bool = False, plain_layer_norm: bool = True,
              timeout: float = 900) -> XlaStep:
-    """One step of a zoo model with loose specs (the calibration's form; `run` takes a whole plan)."""
-    plan = ShardingPlan(dict(mesh.axes), param_specs, list(input_specs or []), state_specs or {}, {},
-                        activations=activation_specs or {}, grads=grad_specs or {})
+    """One step of a zoo model under `specs` (the calibration's form; `run` takes a whole plan)."""
+    plan = ShardingPlan(dict(mesh.axes), specs.params, list(specs.inputs), specs.optimizer_state, {},
+                        activations=specs.activations, grads=specs.grads)
     return run(plan, {"workload": model, "overrides": overrides or {}}, optimizer=optimizer, seed=seed,
                lowerings={"layer_norm": plain_layer_norm}, return_params=return_params, timeout=timeout)
 

@@ -13,7 +13,8 @@ Costs of the full model from the folded program (`weights`):
     backward, or a gradient held for the optimizer): N - 1 copies of it are live together in the full
     step; a temporary used within its own phase is live once.
 Optimizer ops and gradient accumulations carry no module; they belong to the element of their newest
-input (the branch just computed; for the optimizer, the gradient or state of the parameter it updates). `tests/capture/test_fold.py` compares folded against full costs.
+input (the branch just computed; for the optimizer, the gradient or state of the parameter it updates).
+`tests/capture/test_fold.py` compares folded against full costs.
 
 When the model's forward cannot run with some container cut (it indexes a block by number, or pops a
 stack once per block, as the U-Net's decoder pops its skip connections), capture leaves that container
@@ -56,7 +57,8 @@ def folded(model: nn.Module, *, min_repeats: int = 3, only: set[str] | frozenset
             new = visit(child, f"{path}.{name}" if path else name)
             children[name] = new
             changed |= new is not child
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= min_repeats and (only is None or path in only):
+        if (isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= min_repeats
+                and (only is None or path in only)):
             paths = [f"{path}.{k}" if path else k for k in mod._modules]
             if len({sigs.get(p) for p in paths}) == 1:
                 children = dict(list(children.items())[:KEEP])
@@ -94,14 +96,12 @@ _PARAM_IN_NAME = re.compile(r"\[([^\]]+)\]$")
 def weights(program: Program) -> tuple[list[int], list[int]]:
     """(per-op weight, per-value weight of the element it belongs to) that turn folded costs into full-model
     costs; all ones for a program captured without folding. Which values count with their weight in
-    memory (those that outlive their phase) depends on aliasing, so the cost model decides that."""
+    memory (those that outlive their phase) depends on aliasing, so the cost model decides that. Computed
+    anew on each call: the cost model keeps its result in its tables (`cost.tables.Static`)."""
     fold: dict[str, int] = getattr(program, "fold", None) or {}
     n_ops, n_vals = len(program.ops), len(program.values)
     if not fold:
         return [1] * n_ops, [1] * n_vals
-    cached = getattr(program, "_fold_weights", None)
-    if cached is not None:
-        return cached
     vals, ops = program.values, program.ops
     own = [1] * n_vals  # the weight of the element a value belongs to
     for v in vals:
@@ -126,7 +126,6 @@ def weights(program: Program) -> tuple[list[int], list[int]]:
         for o in op.outputs:
             if o >= 0:
                 own[o] = max(own[o], w) if vals[o].role is Role.GRADIENT else w
-    program._fold_weights = (op_w, own)  # type: ignore[attr-defined]
     return op_w, own
 
 

@@ -3,11 +3,12 @@
 Two modules are *repeats* when they are elements of the same container (`nn.ModuleList`, `nn.Sequential`,
 `nn.ModuleDict`: the way PyTorch models write "N of this layer") and have the same structural signature:
 the same class, the same parameter names, shapes and dtypes, and recursively the same children. Two
-attributes of one block that merely share a type (`bn1`, `bn2`) are different layers, not repeats. A parameter's group key is its path
-with the name of the outermost repeated module on the way replaced by `*` (`h.3.attn.c_attn.weight` becomes
-`h.*.attn.c_attn.weight`; `h.3.ln_1` and `h.3.ln_2` keep their names, as the relative path inside a repeat
-must match exactly); parameters with the same key and shape form a group. No names are interpreted,
-so a model whose modules are called `p1`, `u`, `v` groups the same way.
+attributes of one block that merely share a type (`bn1`, `bn2`) are different layers, not repeats. A
+parameter's group key is its path with the name of the outermost repeated module on the way replaced by
+`*` (`h.3.attn.c_attn.weight` becomes `h.*.attn.c_attn.weight`; `h.3.ln_1` and `h.3.ln_2` keep their
+names, as the relative path inside a repeat must match exactly); parameters with the same key and shape
+form a group. No names are interpreted, so a model whose modules are called `p1`, `u`, `v` groups the
+same way.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def group_key(param_path: str, repeated: set[str]) -> str:
     return param_path
 
 
-def parameter_groups(model: nn.Module, names: list[str], shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, list[str]]]:
+def parameter_groups(
+    model: nn.Module, names: list[str], shapes: dict[str, tuple[int, ...]]
+) -> list[tuple[str, list[str]]]:
     """[(key, [param names])] for every key shared by two or more parameters, in first-appearance order."""
     repeated = repeated_modules(model)
     buckets: dict[tuple[str, tuple[int, ...]], list[str]] = {}

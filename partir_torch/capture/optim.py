@@ -32,7 +32,8 @@ _OPTIONS["adamw"] = _OPTIONS["adam"]
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": 1e-2, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False, "maximize": False},
     "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False},
-    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False, "maximize": False},
+    "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "amsgrad": False,
+              "maximize": False},
 }
 _CLASSES = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
 
@@ -132,7 +133,9 @@ def _check_options(kind: str, cls: str, group: Mapping[str, Any], index: int) ->
             )
         if isinstance(val, torch.Tensor):
             if val.numel() != 1:
-                raise UnsupportedOptimizerError(f"{cls} option {key!r} is a tensor of shape {list(val.shape)}; use a float")
+                raise UnsupportedOptimizerError(
+                    f"{cls} option {key!r} is a tensor of shape {list(val.shape)}; use a float"
+                )
             val = float(val)
         if key == "betas":
             val = tuple(float(b) for b in val)

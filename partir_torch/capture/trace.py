@@ -59,7 +59,8 @@ def capture(
     """Capture `loss_fn(model, *example_inputs)`, its backward and the optimizer update as a `Program`.
 
     `mode` is "train" (the default; needs `loss_fn`) or "inference" (the forward pass `model(*inputs)`
-    only, never implied by a missing `loss_fn`). The model and optimizer are only read: on success and on failure they are left as they were.
+    only, never implied by a missing `loss_fn`). The model and optimizer are only read: on success and on failure
+    they are left as they were.
     `fold=True` captures two of every N identical container elements and records N in `program.fold`
     (see `capture/fold.py`): what the search uses on deep models. A container whose cut forward cannot be
     captured (e.g. the forward indexes a block by number) is left whole, with a warning, and the others are
@@ -135,7 +136,8 @@ def capture(
         s_vals = {n: {s: next(s_iter) for s in states[n]} for n in updated}
         xs = flat[n_p + n_b + n_s :]
         if mode == "inference":
-            with _reparametrize_module(model, {**p_vals, **b_vals}, tie_weights=True), _forward_args(model, xs, input_args):
+            with _reparametrize_module(model, {**p_vals, **b_vals}, tie_weights=True), \
+                    _forward_args(model, xs, input_args):
                 out = model(*xs)
             leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             if not leaves:
@@ -145,12 +147,14 @@ def capture(
         # Buffers go in as an argument of the differentiated function: torch.func lets it mutate those
         # (BatchNorm's running statistics); functionalization then turns each mutation into an output.
         def loss_of(train_vals: list[torch.Tensor], buf_vals: dict[str, torch.Tensor]) -> torch.Tensor:
-            with _reparametrize_module(model, {**p_vals, **dict(zip(trainable, train_vals)), **buf_vals}, tie_weights=True), \
+            values = {**p_vals, **dict(zip(trainable, train_vals)), **buf_vals}
+            with _reparametrize_module(model, values, tie_weights=True), \
                     _forward_args(model, xs, input_args):
                 loss = loss_fn(model, *xs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise CaptureError(f"loss_fn must return a scalar tensor, got {shape}; reduce it with .mean() or .sum()")
+                raise CaptureError(f"loss_fn must return a scalar tensor, got {shape}; reduce it with .mean() or "
+                                   ".sum()")
             _tag_backward(loss)
             return loss.reshape(())
 
@@ -185,7 +189,8 @@ def capture(
             # mkldnn off: CPU dispatch would pick `mkldnn_rnn_layer` for nn.LSTM/GRU; the portable composite
             # (linear + pointwise per time step) is what other devices run and what the rules cover
             torch._C._set_mkldnn_enabled(False)
-            with fx_traceback.preserve_node_meta(), tracker, OpaqueModules(model, opaque, own_state, opaque_calls) as opaque_mods:
+            with fx_traceback.preserve_node_meta(), tracker, \
+                    OpaqueModules(model, opaque, own_state, opaque_calls) as opaque_mods:
                 traced = (_functionalize_autograd(step) if opaque else
                           torch.func.functionalize(step, remove="mutations"))
                 gm = make_fx(traced, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
@@ -226,7 +231,7 @@ def capture(
     in_roles += [(Role.OPT_STATE, f"opt.{s}") for s in shared]
     in_roles += [(Role.OPT_STATE, f"opt.{s}[{n}]") for n in updated for s in states[n]]
     in_roles += [(Role.INPUT, f"inputs[{i}]") for i in range(len(inputs))]
-    program = _to_program(gm, in_roles, out_roles, mode)
+    program = to_program(gm, in_roles, out_roles, mode)
     _check_dtypes(program)
     program.params = {n: i for i, n in enumerate(names)}
     program.buffers = {n: n_p + i for i, n in enumerate(bnames)}
@@ -503,7 +508,7 @@ def _tag_backward(loss: torch.Tensor) -> None:
 
 
 # -- FX graph -> Program -----------------------------------------------------------------------------------
-def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Program:
+def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Program:
     values: list[Value] = []
     ops: list[Op] = []
     env: dict[torch.fx.Node, Any] = {}  # node -> value id, or tuple of value ids for multi-output ops
@@ -605,7 +610,7 @@ def _to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Pro
             updates[vid] = src
 
     if mode == "train":
-        _assign_phases(ops, values, outputs)
+        assign_phases(ops, values, outputs)
     program = Program(values, ops, {}, {}, [], {}, {}, updates, outputs, None, [], mode, None, graph_module=gm)
     program.constants = constants
     program.n_graph_outputs = len(out_args)
@@ -626,7 +631,7 @@ def _user_line(stack_trace: str | None) -> str | None:
     return found
 
 
-def _assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> None:
+def assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> None:
     """Forward = ancestors of the loss; backward = other ancestors of the gradients; the rest optimizer."""
 
     def ancestors(roots: list[int]) -> set[int]:
@@ -694,7 +699,8 @@ def _explain(e: Exception, tracker: _ModuleTracker, inputs: tuple[torch.Tensor, 
             f"operator {e.func} has no shape (meta/fake) implementation, so it cannot be captured{where}. Use a "
             "standard op instead, or register a fake implementation with torch.library.register_fake."
         )
-    given = ", ".join(f"inputs[{i}]: {list(x.shape)} {str(x.dtype).removeprefix('torch.')}" for i, x in enumerate(inputs))
+    given = ", ".join(f"inputs[{i}]: {list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+                      for i, x in enumerate(inputs))
     in_module = ""
     if tracker.failed_in is not None:
         path, mod, shapes = tracker.failed_in
@@ -710,7 +716,8 @@ def _explain(e: Exception, tracker: _ModuleTracker, inputs: tuple[torch.Tensor, 
     patched = ""
     if tracker.failed_in is not None and type(mod).__module__.startswith("torch_xla"):
         orig = f"torch.nn.{type(mod).__name__}._orig"
-        patched = (f" {type(mod).__name__} here is torch_xla's replacement ({type(mod).__module__}): importing torch_xla "
+        patched = (f" {type(mod).__name__} here is torch_xla's replacement ({type(mod).__module__}): importing "
+                   "torch_xla "
                    f"patches torch.nn.{type(mod).__name__} with it, and it cannot be traced; build the module with "
                    f"{orig} (the original torch class), or build the model before torch_xla is imported.")
     return CaptureError(f"capture failed{in_module}{where}: {msg}.{patched}{_training_hint(frame)} "

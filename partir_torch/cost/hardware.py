@@ -57,7 +57,9 @@ class Hardware:
             elif f.name != "name" and (not isinstance(v, (int, float)) or v <= 0):
                 raise HardwareError(f"hardware {self.name!r}: {f.name} must be a positive number, got {v!r}")
         if self.matmul_efficiency > 1:
-            raise HardwareError(f"hardware {self.name!r}: matmul_efficiency is a fraction of peak, got {self.matmul_efficiency}")
+            raise HardwareError(
+                f"hardware {self.name!r}: matmul_efficiency is a fraction of peak, got {self.matmul_efficiency}"
+            )
 
     def peak(self, itemsize: int) -> float:
         return self.peak_flops_fp32 if itemsize >= 4 else self.peak_flops_bf16

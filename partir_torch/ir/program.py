@@ -139,6 +139,9 @@ class Program:
     _users: list[tuple[int, ...]] | None = field(default=None, repr=False)
     _by_name: dict[str, int] | None = field(default=None, repr=False)
     _hash: str | None = field(default=None, repr=False)
+    _input_names: frozenset[str] | None = field(default=None, repr=False)
+    # the `analysis.Analysis` of this program on each mesh it was sharded on (built and read there only)
+    analyses: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
 
     # -- lookups -------------------------------------------------------------------------------------
     @property
@@ -151,6 +154,13 @@ class Program:
                     acc[v].append(op.id)
             self._users = [tuple(u) for u in acc]
         return self._users
+
+    @property
+    def input_names(self) -> frozenset[str]:
+        """The names of the program's inputs (the search asks whether an action's target is one)."""
+        if self._input_names is None:
+            self._input_names = frozenset(self.values[v].name for v in self.inputs)
+        return self._input_names
 
     def value(self, name: str) -> Value:
         """The value called `name`; a KeyError suggests near names when there is none."""

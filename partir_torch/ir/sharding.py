@@ -16,10 +16,30 @@ chunks over the same axes hold the same number of elements; turning one into the
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from partir_torch.errors import IllegalActionError
 from partir_torch.ir.mesh import Mesh
+
+
+def tile_count(mesh: Mesh, axes: Iterable[str]) -> int:
+    """How many tiles `axes` cut a dim into: the product of their sizes."""
+    k = 1
+    for a in axes:
+        k *= mesh.size(a)
+    return k
+
+
+def divides(size: int, mesh: Mesh, axes: Iterable[str]) -> bool:
+    """The rule of §1, its one definition: a dim of `size` tiled by `axes` needs `size % tile_count == 0`."""
+    return size % tile_count(mesh, axes) == 0
+
+
+def local_dim(size: int, mesh: Mesh, axes: Iterable[str]) -> int:
+    """The size of a dim's tile on one device."""
+    return size // tile_count(mesh, axes)
+
 
 _REPLICATED: dict[int, Sharding] = {}
 _TILED: dict[tuple, Sharding] = {}  # (sharding, dim, axis) -> the tiled sharding (see `Sharding.tile`)
@@ -75,25 +95,17 @@ class Sharding:
             dims[dim % len(dims)] = (*dims[dim % len(dims)], axis)
             got = _TILED[(self, dim, axis)] = Sharding(tuple(dims), self.partial)
         dim %= len(self.dims)
-        if shape is not None and mesh is not None:
-            k = mesh.size(axis)
-            for a in self.dims[dim]:
-                k *= mesh.size(a)
-            if shape[dim] % k:
-                raise IllegalActionError(
-                    f"cannot tile {value} {list(shape)} dim {dim} (size {shape[dim]}) over {axis!r}: "
-                    f"the dim must divide by the product of its axes' sizes {k} "
-                    f"({', '.join(f'{a}={mesh.size(a)}' for a in (*self.dims[dim], axis))})"
-                )
+        if shape is not None and mesh is not None and not divides(shape[dim], mesh, (*self.dims[dim], axis)):
+            k = tile_count(mesh, (*self.dims[dim], axis))
+            raise IllegalActionError(
+                f"cannot tile {value} {list(shape)} dim {dim} (size {shape[dim]}) over {axis!r}: "
+                f"the dim must divide by the product of its axes' sizes {k} "
+                f"({', '.join(f'{a}={mesh.size(a)}' for a in (*self.dims[dim], axis))})"
+            )
         return got
 
     def local_shape(self, shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
-        out = []
-        for size, axes in zip(shape, self.dims):
-            for a in axes:
-                size //= mesh.size(a)
-            out.append(size)
-        return tuple(out)
+        return tuple(local_dim(size, mesh, axes) for size, axes in zip(shape, self.dims))
 
     def to_spec(self) -> list:
         return [None if not d else d[0] if len(d) == 1 else list(d) for d in self.dims]

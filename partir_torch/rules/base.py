@@ -249,7 +249,8 @@ def spec_rule(
         frozenset(rep),
         tuple(frozenset(letters[c] for c in in_letters - set(s)) for s in outs) if reduced is None else
         tuple(frozenset(letters[c] for c in r if c in letters) for r in reduced),
-        tuple(frozenset(letters[c] for c in m if c in letters) for m in ((mean,) * len(outs) if isinstance(mean, str) else mean)),
+        tuple(frozenset(letters[c] for c in m if c in letters)
+              for m in ((mean,) * len(outs) if isinstance(mean, str) else mean)),
         frozenset(partialize),
     )
 

@@ -72,7 +72,7 @@ def prepare(program: Program, *, fallback: bool = False, rounds: int = 3) -> Pro
 
 
 def _retrace(program: Program, table) -> Program:
-    from partir_torch.capture.trace import _assign_phases, _to_program
+    from partir_torch.capture.trace import assign_phases, to_program
 
     gm = program.graph_module
     placeholders = gm.graph.find_nodes(op="placeholder")
@@ -94,9 +94,9 @@ def _retrace(program: Program, table) -> Program:
         v = program.values[vid]
         src = program.updates.get(vid)
         out_roles.append((v.role, v.name, index[src] if src is not None else None))
-    new = _to_program(new_gm, in_roles, out_roles, program.mode)
+    new = to_program(new_gm, in_roles, out_roles, program.mode)
     if program.mode == "train":
-        _assign_phases(new.ops, new.values, new.outputs)
+        assign_phases(new.ops, new.values, new.outputs)
     by_name = {v.name: v.id for v in new.values}
     new.params, new.buffers, new.inputs = dict(program.params), dict(program.buffers), list(program.inputs)
     new.shared_states = dict(program.shared_states)

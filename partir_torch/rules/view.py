@@ -100,7 +100,8 @@ def select_backward(op: Op, program: Program) -> OpRule:
     r = len(program.values[op.outputs[0]].shape)
     d = int(arg(op, 2)) % r
     letters = LETTERS[:r]
-    return spec_rule(op, program, f"{letters[:d] + letters[d + 1:]}->{letters[:d]}_{letters[d + 1:]}", name="select_backward")
+    return spec_rule(op, program, f"{letters[:d] + letters[d + 1:]}->{letters[:d]}_{letters[d + 1:]}",
+                     name="select_backward")
 
 
 @register("aten.slice.Tensor")

@@ -16,15 +16,17 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from partir_torch.cost.hardware import Hardware, format_bytes, parse_bytes
 from partir_torch.cost.hardware import hardware as get_hardware
 from partir_torch.errors import PartirError
 from partir_torch.propagate import ShardingState
 from partir_torch.search.baselines import ALGORITHMS
+from partir_torch.search.budget import Budget, Result
 from partir_torch.search.goals import KINDS, Evaluator, check_goal
-from partir_torch.search.mcts import MCTS, Budget, Result
+from partir_torch.search.mcts import MCTS
+from partir_torch.tactics import Context, apply_schedule, parse_schedule, register_tactic, wants_fallback
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +55,30 @@ class SearchConfig:
     trace: list[list] = field(default_factory=list, repr=False)  # the actions of each entry of `log` kept
 
 
+@register_tactic("Auto")
 @dataclass(frozen=True)
 class Auto:
-    """Search the sharding of `axes` (None: every axis not used by an earlier tactic)."""
+    """Search the sharding of `axes` (None: every axis not used by an earlier tactic); a `tactics.Tactic`."""
 
     axes: tuple[str, ...] | None = None
     goal: str = "time"
     mode: str = "both"  # incremental | joint | both (40 % of the budget each, then a refinement from both)
+    searched: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_goal(self.goal)
         if self.mode not in ("incremental", "joint", "both"):
             raise PartirError(f"Auto mode must be 'incremental', 'joint' or 'both', got {self.mode!r}")
 
-    @property
-    def axis(self) -> str:  # for error messages shared with the manual tactics
-        return ",".join(self.axes or ("*",))
+    @classmethod
+    def from_text(cls, axes: tuple[str, ...] | None, args: list[str]) -> Auto:
+        """`axes:Auto`, `axes:Auto(goal)`, `axes:Auto(goal, mode)`."""
+        if len(args) > 2:
+            raise PartirError(f"Auto takes a goal and a mode, got {args}")
+        return cls(axes, *args)
+
+    def text(self) -> str:
+        return f"{','.join(self.axes) if self.axes else '*'}:Auto({self.goal})"
 
     def free_axes(self, state: ShardingState) -> tuple[str, ...]:
         if self.axes is not None:
@@ -78,18 +88,18 @@ class Auto:
         used = {a for sh in state.shard for a in sh.axes}
         return tuple(a for a in state.mesh.names if a not in used)
 
-    def apply(self, state: ShardingState, config: SearchConfig | None = None) -> None:
-        config = config or SearchConfig()
+    def apply(self, state: ShardingState, context: Context | None = None) -> ShardingState:
+        """The best state found from `state` (which is left as it was) with `context.search`'s setting."""
+        config = (context.search if context is not None else None) or SearchConfig()
         axes = self.free_axes(state)
         if not axes:
-            return
+            return state
         if not config.goals:  # ablation: one joint tree, the plain reward, the full memory limit
             res = run_search(state, axes, "time", config, config.budget, seed=config.seed)
             config.log.append({"axes": list(axes), "goal": None, "algorithm": config.algorithm,
                                "actions": [str(a) for a in res.actions], **res.stats.to_json()})
             config.trace.append(list(res.actions))
-            state.__dict__.update(res.state.copy().__dict__)
-            return
+            return res.state.copy()
         if self.mode == "both" and len(axes) > 1:
             # the two orders of search fall into different basins (benchmarks/search.py): run both (40 % of the
             # budget each), then refine from the plans of both (the last 20 %) and keep the best
@@ -101,7 +111,7 @@ class Auto:
             for mode in ("incremental", "joint"):
                 trial = state.copy()
                 cfg = replace(config, budget=part, log=[], trace=[])
-                replace(self, mode=mode).apply(trial, cfg)
+                trial = replace(self, mode=mode).apply(trial, Context(cfg))
                 runs.append((ev.key(ev.report(trial)), mode, trial, cfg.log, [a for r in cfg.trace for a in r]))
             _, mode, best, _, _ = min(runs, key=lambda r: r[0])
             for r in runs:
@@ -109,8 +119,7 @@ class Auto:
                     e["mode"], e["chosen"] = r[1], r[1] == mode and config.algorithm != "mcts"
                 config.log.extend(r[3])
             if config.algorithm != "mcts":
-                state.__dict__.update(best.__dict__)
-                return
+                return best
             res = polish(state, axes, self.goal, config, share, [r[4] for r in runs])
             taken = ev.key(ev.report(res.state)) <= min(r[0] for r in runs)
             if taken:
@@ -122,8 +131,7 @@ class Auto:
                                "chosen": taken, "from": mode, "actions": [str(a) for a in res.actions],
                                **res.stats.to_json()})
             config.trace.append(list(res.actions))
-            state.__dict__.update(best.__dict__)
-            return
+            return best
         groups = [axes] if self.mode == "joint" else [(a,) for a in axes]
         budget = config.budget.split(len(groups))
         limit = config.hw.memory if config.memory_limit is None else config.memory_limit
@@ -136,13 +144,15 @@ class Auto:
             config.log.append({"axes": list(ax), "goal": self.goal, "algorithm": config.algorithm,
                                "actions": [str(a) for a in res.actions], **res.stats.to_json()})
             config.trace.append(list(res.actions))
-            best = res.state.copy()
-            state.__dict__.update(best.__dict__)  # the schedule's state continues from the best plan
+            state = res.state.copy()  # the next axis continues from the best plan
+        return state
 
 
 def polish(state: ShardingState, axes: tuple[str, ...], goal: str, config: SearchConfig, budget: Budget,
            starts: list[list]) -> Result:
-    """The refinement of `MCTS` (prune, then hill-climb), from each of `starts` (action lists from `state`)."""
+    """The local search (`local.LocalSearch`: prune, then hill-climb) from each of `starts` (action lists
+    from `state`), run by an `MCTS` with no share of its own: under a time budget, the time the refinement
+    leaves when it reaches a local optimum goes to a tree search from `state` (then refines again)."""
     ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, goal)
     m = MCTS(state, ev, axes, KINDS[goal], seed=config.seed + 1, prune=config.prune)  # another tree than "joint"'s
     return m.run(budget, refine=1.0, starts=starts)
@@ -169,7 +179,8 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     `"batch=2,model=4"` or a `Mesh`) and return it as a `ShardingPlan` (specs, cost report, statistics).
 
     `schedule` defaults to `Auto` on every axis; a text such as `"batch:BatchParallel;model:Auto"` mixes
-    manual tactics and search. `memory` (bytes, or a text like "16GiB") overrides the preset's device memory. With `require_fit`
+    manual tactics and search. `memory` (bytes, or a text like "16GiB") overrides the preset's device memory. With
+    `require_fit`
     an `InfeasibleError` reports the best plan when none fits. `prune=False` / `goals=False` are the
     ablations of `SearchConfig` (no propagation-based pruning of actions / no per-axis goals).
     `fallback=True` (or a `fallback` entry in the schedule text) runs ops without a tile-mapping rule
@@ -179,8 +190,6 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     from partir_torch.capture import capture
     from partir_torch.ir.mesh import parse_mesh
     from partir_torch.plan import ShardingPlan
-    from partir_torch.tactics import apply_schedule, parse_schedule, wants_fallback
-
     mesh, marked = parse_mesh(mesh)
     dcn_axes = frozenset(dcn_axes) | marked
     hw = get_hardware(hardware)
@@ -195,7 +204,7 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
 
     report = evaluate(state, hw, dcn_axes=config.dcn_axes, memory_limit=memory)
     stats = summarize_log(config.log)
-    text = schedule if isinstance(schedule, str) else ";".join(_tactic_text(t) for t in tactics)
+    text = schedule if isinstance(schedule, str) else ";".join(t.text() for t in tactics)
     plan = ShardingPlan.from_state(state, report, schedule=text, hardware=hw.name, dcn_axes=config.dcn_axes,
                                    search=stats)
     if require_fit and not report.feasible:
@@ -216,13 +225,8 @@ def summarize_log(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def infeasible_message(plan, mesh) -> str:
     c = plan.cost
+    best = plan.search and [e["actions"] for e in plan.search["per_axis"] if e.get("chosen", True)]
     return (f"no plan found fits in memory: the best one needs {format_bytes(c['peak_memory_bytes'])} per device, "
-            f"the limit is {format_bytes(c['memory_limit'])} (mesh {mesh}; best plan: {plan.search and [e['actions'] for e in plan.search['per_axis'] if e.get('chosen', True)]}). "
+            f"the limit is {format_bytes(c['memory_limit'])} (mesh {mesh}; best plan: {best}). "
             "To fit: use more devices or a bigger mesh axis, add an axis to shard the model over, lower the batch "
             "size, or raise the budget (--budget) so the search explores further.")
-
-
-def _tactic_text(t) -> str:
-    if isinstance(t, Auto):
-        return f"{','.join(t.axes) if t.axes else '*'}:Auto({t.goal})"
-    return f"{getattr(t, 'axis', '?')}:{type(t).__name__}" + (f"({t.stage})" if hasattr(t, "stage") else "")

@@ -5,9 +5,9 @@
     beam        breadth-first over action sets, keeping the `width` best states per depth
     exhaustive  every set of up to `max_depth` actions (small programs only): the optimum of the space,
                 to measure the optimality gap of the others
-Each answer but the exhaustive one is simplified as the MCTS's is (`mcts.simplify`: an action whose removal keeps the plan within
-0.5 % of the best step time found is dropped; a few evaluations after the budget), so that all are judged by
-the same objective.
+Each answer but the exhaustive one is simplified as the MCTS's is (`local.simplify`: an action whose
+removal keeps the plan within 0.5 % of the best step time found is dropped; a few evaluations after the
+budget), so that all are judged by the same objective.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import random
 import time
 
 from partir_torch.propagate import ShardingState
+from partir_torch.search.budget import Budget, Result, Stats
 from partir_torch.search.goals import Evaluator
-from partir_torch.search.mcts import Budget, Result, Stats, simplify
+from partir_torch.search.local import simplify
 from partir_torch.search.space import Action, Plans, candidates
 
 
@@ -50,7 +51,7 @@ class _Run:
         return k, s, new
 
     def result(self, simplicity: float = 0.005) -> Result:
-        """The best plan, simplified by the rule of the MCTS refinement (`mcts.simplify`): the same objective."""
+        """The best plan, simplified by the rule of the MCTS refinement (`local.simplify`): the same objective."""
         self.best = simplify(self.plans.replay, self.ev, self.best, self.best[0], simplicity)
         self.stats.time_s = time.perf_counter() - self.t0
         self.stats.propagation_time_s = self.plans.time_s

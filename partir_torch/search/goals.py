@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from partir_torch.cost.hardware import Hardware
 from partir_torch.cost.model import CostReport, evaluate
@@ -25,8 +26,36 @@ from partir_torch.errors import PartirError
 from partir_torch.propagate import ShardingState
 
 GOALS = ("time", "communication", "zero")
-KINDS = {"time": frozenset({"input", "param", "optimizer"}), "communication": frozenset({"input", "param", "optimizer"}),
+KINDS = {"time": frozenset({"input", "param", "optimizer"}),
+         "communication": frozenset({"input", "param", "optimizer"}),
          "zero": frozenset({"optimizer"})}
+
+
+class Score(NamedTuple):
+    """A plan's score, smaller is better in tuple order: plans that fit first, then less memory among those
+    that do not, then the goal's objective (seconds)."""
+
+    infeasible: int  # 0 fits, 1 does not (2: `WORST`, below every plan)
+    memory: float  # peak bytes per device when it does not fit, else 0
+    objective: float
+
+    def beats(self, other: Score, margin: float) -> bool:
+        """Better than `other` by more than `margin` of its objective, or fits where it does not, or (neither
+        fitting) needs less memory: what a local search step must achieve to be taken."""
+        if self.infeasible != other.infeasible:
+            return self.infeasible < other.infeasible
+        if self.infeasible:
+            return self.memory < other.memory
+        return self.objective < other.objective * (1 - margin)
+
+    def keeps(self, plan: Score, ref: Score, margin: float) -> bool:
+        """A simplification of `plan` scoring this is kept: as feasible, no more memory, and an objective no
+        worse than the plan's or within `margin` of `ref` (the best found)."""
+        return (self.infeasible == plan.infeasible and self.memory <= plan.memory
+                and self.objective <= max(plan.objective, ref.objective * (1 + margin)))
+
+
+WORST = Score(2, 0.0, 0.0)
 
 
 def check_goal(goal: str) -> str:
@@ -59,14 +88,14 @@ class Evaluator:
         self.evaluations += 1
         return r
 
-    def key(self, r: CostReport) -> tuple[int, float, float]:
-        """Sort key, smaller is better: (infeasible, memory if infeasible, objective)."""
+    def key(self, r: CostReport) -> Score:
+        """The report's `Score` under this goal."""
         if not r.feasible:
-            return (1, float(r.peak_memory_bytes), r.step_time_s)
+            return Score(1, float(r.peak_memory_bytes), r.step_time_s)
         obj = r.comm_time_s + 1e-3 * r.step_time_s if self.goal == "communication" else r.step_time_s
-        return (0, 0.0, obj)
+        return Score(0, 0.0, obj)
 
-    def score(self, state: ShardingState, cache_key=None) -> tuple[tuple, CostReport | None]:
+    def score(self, state: ShardingState, cache_key=None) -> tuple[Score, CostReport | None]:
         if cache_key is not None and cache_key in self.cache:
             return self.cache[cache_key], None
         r = self.report(state)
@@ -75,11 +104,12 @@ class Evaluator:
             self.cache[cache_key] = k
         return k, r
 
-    def reward(self, key: tuple, ref: tuple) -> float:
-        if not self.goals:  # key[2] is the step time (goal "time"); key[1] the peak memory when it does not fit
-            if key[2] <= 0:
+    def reward(self, key: Score, ref: Score) -> float:
+        """The MCTS reward of the module docstring (`ref`: the start state's score)."""
+        if not self.goals:  # the objective is the step time (goal "time")
+            if key.objective <= 0:
                 return 1.0
-            return ref[2] / (key[2] * (max(1.0, key[1] / self.limit) if key[0] else 1.0))
-        if key[0]:
-            return min(self.limit / key[1], 0.999)
-        return 1.0 + (ref[2] / key[2] if key[2] > 0 else 1.0)
+            return ref.objective / (key.objective * (max(1.0, key.memory / self.limit) if key.infeasible else 1.0))
+        if key.infeasible:
+            return min(self.limit / key.memory, 0.999)
+        return 1.0 + (ref.objective / key.objective if key.objective > 0 else 1.0)

@@ -17,10 +17,9 @@ where it is used and its gradient reduce-scattered, exactly as `tactics.ZeRO` do
 A plan is an action list in canonical order (`rank`, `Plans`): parameter tiles, then input tiles, then ZeRO
 moves and late parameter tiles (`TileLate`), each kind in the order chosen. Order is priority, so a search that
 appends would need to pick a layer's tile before the batch split for that layer to run model-parallel on the
-batch axis, and could not add it once the split is made: on the U-Net ({batch: 8}), whose good plans tile
-several low-resolution layers so, 5 seeds of 10 s ended 0.790-0.935 x the best expert that way and
-0.773-0.786 placed (`benchmarks/search.py`, docs/search.md). A plan's candidates are judged where each would go
-(`Plans.candidates`), and adding one replays only the actions after its place.
+batch axis, and could not add it once the split is made: the U-Net's good plans tile several
+low-resolution layers so (measured in docs/search.md, "Why the canonical order"). A plan's candidates are
+judged where each would go (`Plans.candidates`), and adding one replays only the actions after its place.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from partir_torch.errors import IllegalActionError
 from partir_torch.ir.actions import Tile
 from partir_torch.ir.program import Phase, Program, Role
+from partir_torch.ir.sharding import divides
 from partir_torch.propagate import ShardingState
 
 
@@ -153,9 +153,6 @@ def slots(program: Program) -> list[Slot]:
     weight matrices) gets no slot of its own: deciding it moves the cost by little, while every slot
     multiplies the tree's branching; it is still sharded wherever propagation carries a decision to it.
     """
-    cached = getattr(program, "_search_slots", None)
-    if cached is not None:
-        return cached
     out = [Slot(program.values[v].name, v, "input") for v in program.inputs if program.values[v].shape]
     grouped: set[str] = set()
     params: list[Slot] = []
@@ -169,18 +166,22 @@ def slots(program: Program) -> list[Slot]:
     if program.opt_states:
         out += [Slot(s.target, s.value, "optimizer") for s in list(out) if s.kind == "param"
                 and program.values[s.value].name in program.opt_states]
-    program._search_slots = out  # type: ignore[attr-defined]
     return out
+
+
+def state_slots(state: ShardingState) -> list[Slot]:
+    """`slots` of the state's program, computed once per analysis (`Analysis.search_slots`)."""
+    an = state.analysis
+    if an.search_slots is None:
+        an.search_slots = slots(an.program)
+    return an.search_slots
 
 
 def _fits(state: ShardingState, v: int, dim: int, axis: str) -> bool:
     val, sh = state.program.values[v], state.shard[v]
     if axis in sh.axes or axis in state.locked[v]:
         return False
-    k = state.mesh.size(axis)
-    for a in sh.dims[dim]:
-        k *= state.mesh.size(a)
-    return val.shape[dim] % k == 0 and val.shape[dim] >= k
+    return divides(val.shape[dim], state.mesh, (*sh.dims[dim], axis))
 
 
 def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str], *,
@@ -193,7 +194,7 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
     illegal ones.
     """
     if not prune:
-        return _all_actions(state.program, axes, kinds)
+        return _all_actions(state, axes, kinds)
     out: list[Action] = []
     p = state.program
     if "optimizer" in kinds and p.opt_states:  # the whole-model ZeRO move, as the expert tactic does it
@@ -202,7 +203,7 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
         if free:  # and legal: some parameter's state (and, stage 3, the parameter) still divides
             out += [ShardOptimizer("*", -1, axis, stage) for axis in axes for stage in (1, 3)
                     if _zero_all(state, axis, stage, first=True)]
-    for s in slots(p):
+    for s in state_slots(state):
         if s.kind not in kinds:
             continue
         st = ([v for n, v in p.opt_states[p.values[s.value].name].items() if n not in p.shared_states]
@@ -222,12 +223,13 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
     return out
 
 
-def _all_actions(p: Program, axes: tuple[str, ...], kinds: frozenset[str]) -> list[Action]:
+def _all_actions(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str]) -> list[Action]:
     """Every syntactically possible action on `axes` for slots of `kinds`: what `candidates` prunes from."""
     out: list[Action] = []
+    p = state.program
     if "optimizer" in kinds and p.opt_states:
         out += [ShardOptimizer("*", -1, axis, stage) for axis in axes for stage in (1, 3)]
-    for s in slots(p):
+    for s in state_slots(state):
         if s.kind not in kinds:
             continue
         for axis in axes:
@@ -245,14 +247,13 @@ def decided_bytes(state: ShardingState, action: Action) -> int:
     tile decides, through propagation, the activations computed from it, which its own bytes do not measure,
     so it counts the program's activation bytes on top of its own (inputs come first, larger first)."""
     p = state.program
-    cache = getattr(p, "_decided_bytes", None)
-    if cache is None:
-        cache = p._decided_bytes = {}  # type: ignore[attr-defined]
+    cache = state.analysis.decided_bytes
     key = (action.target, isinstance(action, ShardOptimizer) and action.stage)
     got = cache.get(key)
     if got is None:
         if isinstance(action, ShardOptimizer):
-            names = list(p.opt_states) if action.target == "*" else [p.values[v].name for v in state.resolve(action.target)]
+            names = (list(p.opt_states) if action.target == "*"
+                     else [p.values[v].name for v in state.resolve(action.target)])
             got = sum(p.values[v].nbytes for n in names for s, v in p.opt_states.get(n, {}).items()
                       if s not in p.shared_states)
             if action.stage == 3:
@@ -287,14 +288,11 @@ def rank(program: Program, action: Action) -> int:
     ZeRO move fences every use of the parameters on its axis. Applied in this order, a layer tiled on the
     batch axis is that layer's model parallelism, with the rest of the network batch-parallel around it (the
     U-Net's mixed plans), whenever the search picks the layer. A layer tiled after the batch split is
-    another decision, storage (GPT 6.7B's embedding on S2: 0.831 x the expert with it, 0.881 placed): that is
+    another decision, storage (GPT 6.7B's embedding on S2, docs/search.md): that is
     `TileLate`, offered once an input's tile uses the axis."""
     if isinstance(action, ShardOptimizer | TileLate):
         return 2
-    names = getattr(program, "_input_names", None)
-    if names is None:
-        names = program._input_names = frozenset(program.values[v].name for v in program.inputs)  # type: ignore[attr-defined]
-    return 1 if action.target in names else 0
+    return 1 if action.target in program.input_names else 0
 
 
 def place(program: Program, actions, action: Action | int) -> int:

@@ -184,15 +184,16 @@ def test_bad_requests_are_named():
     model, batch = _tagger()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel")
-    with pytest.raises(PartirError, match=r"the mesh needs 16 devices, but torch_xla's runtime has 8 .*CPU_NUM_DEVICES=16"):
+    with pytest.raises(PartirError,
+                       match=r"the mesh needs 16 devices, but torch_xla's runtime has 8 .*CPU_NUM_DEVICES=16"):
         partir_torch.auto_shard(model, batch, {"batch": 4, "model": 4}, loss_fn=tagger_loss, optimizer=opt)
     with pytest.raises(PartirError, match=r"optimizer must be your torch.optim optimizer"):
         partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer="adamw")
     model, _ = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
     with pytest.raises(PartirError, match=r"already sharded by partir_torch; call partir_torch.unshard\(model\) first"):
         partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
-    with pytest.raises(PartirError, match=r"input 0 has shape \[3, 16\], the plan was made for \[8, 16\]: input 0 dim 0 "
-                                          r"\(size 3\) does not divide over \['batch'\].*drop_last=True"):
+    with pytest.raises(PartirError, match=r"input 0 has shape \[3, 16\], the plan was made for \[8, 16\]: "
+                                          r"input 0 dim 0 \(size 3\) does not divide over \['batch'\].*drop_last=True"):
         model(batch[0][:3])
     partir_torch.unshard(model)
 
@@ -211,7 +212,7 @@ def test_a_smaller_batch_that_still_divides_is_sharded_as_planned_with_a_warning
         torch_xla.sync()
     assert "input 0 has shape [4, 16], the plan was made for [8, 16]: sharded as planned" in caplog.text
     assert float(loss.detach()) == pytest.approx(float(tagger_loss(ref, *small).detach()), rel=1e-5)
-    spec = plan.input_sharding(0)
+    spec = partir_torch.input_sharding(plan, 0)
     assert spec.partition_spec == ("batch", None) and spec.can_apply(batch[0])
     partir_torch.unshard(model)
 
@@ -242,3 +243,17 @@ def test_without_torch_xla_the_error_says_how_to_install_the_pinned_pair(monkeyp
     with pytest.raises(PartirError, match=r"torch_xla is not installed .*torch-xla==2.9.0"):
         partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=torch.optim.SGD(model.parameters()))
     assert next(model.parameters()).device.type == "cpu"
+
+
+@pytest.mark.parametrize("shape,groups", [((4, 8, 5, 5), 4), ((2, 6, 7), 3), ((3, 4), 2)])
+def test_the_norm_lowerings_compute_what_torch_does(shape, groups):
+    """The lowerings `shard_module` runs instead of torch_xla's batch-norm forms are the same math."""
+    from partir_torch.backends.xla import _group_norm, _layer_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=torch.float64)
+    w, b = torch.randn(shape[1], dtype=torch.float64), torch.randn(shape[1], dtype=torch.float64)
+    torch.testing.assert_close(_group_norm(x, groups, w, b, 1e-5), F.group_norm(x, groups, w, b, 1e-5))
+    torch.testing.assert_close(_group_norm(x, groups), F.group_norm(x, groups))
+    lw, lb = torch.randn(shape[-1], dtype=torch.float64), torch.randn(shape[-1], dtype=torch.float64)
+    torch.testing.assert_close(_layer_norm(x, (shape[-1],), lw, lb), F.layer_norm(x, (shape[-1],), lw, lb))

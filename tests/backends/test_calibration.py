@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, r
 def test_hlo_reader_maps_replica_groups_to_mesh_axes():
     text = """
   %all-reduce = f32[] all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
-  %all-reduce.2 = f32[32,16]{1,0} all-reduce(%dot.1), channel_id=3, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
+  %all-reduce.2 = f32[32,16]{1,0} all-reduce(%dot.1), channel_id=3, \
+replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add
   %ag = bf16[8,64]{1,0} all-gather(%p), channel_id=4, replica_groups=[2,4]<=[8], dimensions={0}
   %rs = f32[4,8]{1,0} reduce-scatter(%q), channel_id=5, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
   ROOT %t = (f32[]) tuple(%all-reduce)

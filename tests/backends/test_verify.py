@@ -72,3 +72,28 @@ def test_cli_verify_reports_predicted_measured_and_what_the_plan_did_not_predict
         main(["verify", "tiny-gpt2"])
     assert main(["verify", "tiny-mlp", str(tmp_path / "plan.json")]) == 2
     assert "parameters in the plan but not in the model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-unet"])
+def test_searched_plans_compile_to_the_predicted_collectives(name):
+    """Plans the search makes under a tight memory limit put the batch and weights on the same axis, so
+    most ops meet conflicting layouts: XLA must reshard where the plan does (module inputs constrained as
+    the plan reads them, norms lowered without losing their sharding) and move the bytes it predicts."""
+    from partir_torch import capture, models
+    from partir_torch.backends.verify import verify_workload
+    from partir_torch.cost import evaluate, hardware
+    from partir_torch.ir import Mesh
+    from partir_torch.tactics import apply_schedule
+
+    mesh = "batch=2,model=4"
+    net, inputs, loss_fn = models.build(name, {"batch": "8"}, device="meta")
+    replicated = evaluate(apply_schedule(capture(net, inputs, loss_fn, "adamw"), Mesh.parse(mesh), []),
+                          hardware("cpu-virtual"))
+    plan = search(net, inputs, mesh, loss_fn=loss_fn, optimizer="adamw", budget=100,
+                  memory=int(0.4 * replicated.peak_memory_bytes))
+    assert plan.module_inputs, "no module input is resharded on entry: the check would not test the constraints"
+    j = verify_workload(plan, name, {"batch": "8"}).to_json()
+    assert j["unexpected_collectives"] == []
+    assert set(j["predicted"]["comm_bytes"]) == set(j["measured"]["comm_bytes"])
+    for kind, r in j["ratios"].items():
+        assert r == pytest.approx(1.0, abs=0.1), (kind, j["ratios"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 
@@ -21,8 +22,7 @@ def _matches_unsharded(model: str, mesh: Mesh, sp, optimizer: str):
     gradients) through torch_xla: asserts the unsharded loss and updated parameters, returns the step."""
     from partir_torch.backends.xla_worker import reference_step, run_step
 
-    xla = run_step(model, mesh, sp.params, sp.inputs, sp.optimizer_state, sp.activations, sp.grads,
-                   return_params=True, optimizer=optimizer)
+    xla = run_step(model, mesh, sp, return_params=True, optimizer=optimizer)
     loss, params = reference_step(model, optimizer=optimizer)
     assert xla.loss == pytest.approx(loss, abs=1e-5)
     for n, ref in params.items():
@@ -47,8 +47,7 @@ def test_plan_through_torch_xla_matches_unsharded(model, schedule, optimizer):
     sp = specs(state)
     assert any(any(s) for s in sp.params.values())
     assert sp.activations
-    xla = run_step(model, mesh, sp.params, sp.inputs, sp.optimizer_state, sp.activations, return_params=True,
-                   optimizer=optimizer)
+    xla = run_step(model, mesh, dataclasses.replace(sp, grads={}), return_params=True, optimizer=optimizer)
     loss, params = reference_step(model, optimizer=optimizer)
     assert xla.loss == pytest.approx(loss, abs=1e-5)
     for n, ref in params.items():

@@ -27,7 +27,8 @@ def _loss(model, x):
 
 
 def _snapshot(model, opt):
-    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), [p.requires_grad for p in model.parameters()]
+    return (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+            [p.requires_grad for p in model.parameters()])
 
 
 def _assert_untouched(model, opt, snap):
@@ -59,7 +60,8 @@ def test_wrong_input_shape_shows_expected_and_given(tiny):
     def bad_loss(m, x, y):  # feeds float features where the model expects token ids through blocks
         return m.blocks[0](x).sum()
 
-    with pytest.raises(InputShapeError, match=r"module 'blocks\.0\.norm'.*received input shapes \[\[2, 8, 5\]\].*expects \[\.\.\., 16\].*inputs\[0\]: \[2, 8, 5\]"):
+    with pytest.raises(InputShapeError, match=r"module 'blocks\.0\.norm'.*received input shapes \[\[2, 8, 5\]\]"
+                                              r".*expects \[\.\.\., 16\].*inputs\[0\]: \[2, 8, 5\]"):
         capture(model, (torch.randn(2, 8, 5), targets), bad_loss, opt)
     _assert_untouched(model, opt, snap)
 
@@ -118,7 +120,8 @@ class _Opaque(nn.Module):
 
 def test_untraceable_op_names_the_source_line_and_module():
     model = _Opaque()
-    with pytest.raises(CaptureError, match=r"in module '<root>' \(_Opaque\) at .*test_errors\.py:\d+ \(`return _opaque\(self\.fc\(x\)\)`\)"):
+    with pytest.raises(CaptureError, match=r"in module '<root>' \(_Opaque\) at .*test_errors\.py:\d+ "
+                                           r"\(`return _opaque\(self\.fc\(x\)\)`\)"):
         capture(model, (torch.randn(2, 4),), _loss, "sgd")
 
 

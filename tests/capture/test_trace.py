@@ -13,7 +13,9 @@ def test_every_value_has_shape_dtype_and_role(tiny):
     model, inputs, loss_fn = tiny
     p = capture(model, inputs, loss_fn, "adamw")
     assert p.mode == "train"
-    assert {v.role for v in p.values} >= {Role.PARAMETER, Role.INPUT, Role.OPT_STATE, Role.GRADIENT, Role.ACTIVATION, Role.OUTPUT}
+    assert {v.role for v in p.values} >= {
+        Role.PARAMETER, Role.INPUT, Role.OPT_STATE, Role.GRADIENT, Role.ACTIVATION, Role.OUTPUT
+    }
     for name, param in model.named_parameters():
         v = p.value(name)
         assert v.role is Role.PARAMETER and v.shape == tuple(param.shape) and v.dtype == param.dtype

@@ -17,7 +17,9 @@ from partir_torch.tactics import apply_schedule
 
 
 def test_presets_and_overrides():
-    assert {"tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "a100-80gb", "h100-sxm", "h200-sxm", "cpu-virtual"} <= set(PRESETS)
+    assert {
+        "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "a100-80gb", "h100-sxm", "h200-sxm", "cpu-virtual"
+    } <= set(PRESETS)
     hw = hardware("tpu-v5e", memory=8 * 2**30)
     assert hw.memory == 8 * 2**30 and hw.peak_flops_bf16 == PRESETS["tpu-v5e"].peak_flops_bf16
     with pytest.raises(HardwareError, match=r"unknown hardware preset 'tpu-v9'; presets: tpu-v4, tpu-v5e"):
@@ -127,11 +129,13 @@ def _report(r) -> tuple:
 
 @pytest.mark.parametrize("fold", [False, True])
 def test_incremental_evaluation_equals_from_scratch(fold):
-    """Copies share the cost cache until one of them evaluates; after every action on a copy, the incremental
-    evaluation is the from-scratch one (fresh cache and memo), and the states it branched from keep theirs."""
+    """A copy starts from its parent's cost cache (keyed by the record of changes they share); after every
+    action on a copy, the incremental evaluation is the from-scratch one (no history, fresh memo), and the
+    states it branched from keep theirs."""
     import random
 
-    from partir_torch.cost.model import clear_memo
+    from partir_torch.cost.tables import tables
+    from partir_torch.propagate import Changes
     from partir_torch.search.space import apply_action, candidates
 
     model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
@@ -147,7 +151,7 @@ def test_incremental_evaluation_equals_from_scratch(fold):
         if not acts:
             continue
         child = parent.copy()
-        assert child.cost_cache is parent.cost_cache  # shared until one of them evaluates
+        assert child.record.parent in tables(parent)[0].caches  # the parent's evaluated record: shared
         if not apply_action(child, rng.choice(acts)):
             continue
         steps += 1
@@ -155,8 +159,8 @@ def test_incremental_evaluation_equals_from_scratch(fold):
         dcn = frozenset({"batch"}) if steps % 3 == 0 else frozenset()
         got = _report(evaluate(child, h, dcn_axes=dcn))
         scratch = child.copy()
-        scratch.cost_cache = None
-        clear_memo(p)  # the program's memoized results start over too
+        scratch.record = Changes()  # no history: costed from the replicated state
+        scratch.analysis.clear_memos()  # the memoized results start over too
         want = _report(evaluate(scratch, h, dcn_axes=dcn))
         assert got == want
         assert got[1] == summarize(lower(child))

@@ -47,13 +47,15 @@ def test_sharding_notation_and_spec_round_trip():
 def test_tile_errors_show_value_shape_dim_and_sizes():
     mesh = Mesh.parse("batch=2,model=4")
     s = Sharding.replicated(2)
-    with pytest.raises(IllegalActionError, match=r"cannot tile h\.0\.w \[6, 8\] dim 0 \(size 6\) over 'model'.*4 \(model=4\)"):
+    with pytest.raises(IllegalActionError,
+                       match=r"cannot tile h\.0\.w \[6, 8\] dim 0 \(size 6\) over 'model'.*4 \(model=4\)"):
         s.tile(0, "model", value="h.0.w", shape=(6, 8), mesh=mesh)
     t = s.tile(1, "batch", value="w", shape=(6, 8), mesh=mesh)
     with pytest.raises(IllegalActionError, match=r"axis 'batch' is already used on w \(sharding P\(None, 'batch'\)\)"):
         t.tile(0, "batch", value="w", shape=(6, 8), mesh=mesh)
     t.tile(1, "model", value="w", shape=(6, 8), mesh=mesh)  # 8 divides by batch*model = 8
-    with pytest.raises(IllegalActionError, match=r"cannot tile v \[6, 4\] dim 1 \(size 4\) over 'model'.*8 \(batch=2, model=4\)"):
+    with pytest.raises(IllegalActionError,
+                       match=r"cannot tile v \[6, 4\] dim 1 \(size 4\) over 'model'.*8 \(batch=2, model=4\)"):
         t.tile(1, "model", value="v", shape=(6, 4), mesh=mesh)
     with pytest.raises(IllegalActionError, match=r"rank 2; dim 2 does not exist"):
         s.tile(2, "batch", value="w")

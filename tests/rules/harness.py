@@ -61,7 +61,9 @@ def check(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], data, *, n_
     assert applied and any(sh.axes for sh in state.shard), "no drawn tile applied: the check would be vacuous"
     res = _simulate(module, program, state, inputs)
     # fp32 sums over tiles reassociate: compare relative to the reference's magnitude
-    assert res.max_rel_diff <= tol, (res.diffs, [str(a) for a in state.actions], [c.describe(program) for c in state.conflicts])
+    assert res.max_rel_diff <= tol, (
+        res.diffs, [str(a) for a in state.actions], [c.describe(program) for c in state.conflicts]
+    )
     assert res.replica_mismatch <= tol, ([str(a) for a in state.actions], res.replica_mismatch)
     return state
 

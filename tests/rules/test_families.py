@@ -31,7 +31,8 @@ def r(*shape):
 @SETTINGS
 @given(st.data())
 def test_pointwise(data):
-    m = Lambda(lambda s, x, y: torch.where(x > 0, F.gelu(x * s.w + y), torch.sigmoid(y) - x.exp().sqrt()) / (2 + s.b * s.b),
+    m = Lambda(lambda s, x, y: (torch.where(x > 0, F.gelu(x * s.w + y), torch.sigmoid(y) - x.exp().sqrt())
+                                / (2 + s.b * s.b)),
                w=r(8, 4), b=r(4))
     check(m, (r(8, 4), r(1, 4)), data)
 
@@ -71,7 +72,8 @@ def test_normalization(data):
             self.gn = nn.GroupNorm(2, 4)
 
         def forward(self, x, y):
-            return F.softmax(self.ln(x), -1) + F.log_softmax(x, 1) + self.gn(y).mean((2, 3)).sum(-1, keepdim=True).unsqueeze(-1)
+            return (F.softmax(self.ln(x), -1) + F.log_softmax(x, 1)
+                    + self.gn(y).mean((2, 3)).sum(-1, keepdim=True).unsqueeze(-1))
     check(M(), (r(4, 4, 8), r(4, 4, 2, 2)), data)
 
 

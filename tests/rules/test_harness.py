@@ -81,7 +81,8 @@ class _Odd(nn.Module):
 def test_missing_rule_names_op_module_and_line_and_fallback_warns_with_cost():
     torch.manual_seed(0)
     program = capture(_Odd(), (torch.randn(4, 8),), lambda m, x: m(x).sum(), "sgd")
-    with pytest.raises(MissingRuleError, match=r"(?s)aten\._cdist_forward\.default.*module <root> \(test_harness\.py:\d+\).*fallback"):
+    with pytest.raises(MissingRuleError,
+                       match=r"(?s)aten\._cdist_forward\.default.*module <root> \(test_harness\.py:\d+\).*fallback"):
         prepare(program)
     cov = coverage(program)
     assert [u.target for u in cov.missing] == ["aten._cdist_backward.default", "aten._cdist_forward.default"]

@@ -79,7 +79,9 @@ def test_ablated_mcts_without_pruning_or_goals_returns_a_legal_plan(mlp):
     root = ShardingState(mlp, Mesh.parse("batch=4,model=2"))
     pruned, every = candidates(root, axes, ALL), candidates(root, axes, ALL, prune=False)
     assert set(pruned) < set(every)
-    res = MCTS(root, Evaluator(hardware("tpu-v5e"), goals=False), axes, ALL, seed=0, prune=False).run(Budget(episodes=60))
+    res = MCTS(root, Evaluator(hardware("tpu-v5e"), goals=False), axes, ALL, seed=0, prune=False).run(
+        Budget(episodes=60)
+    )
     # the unpruned space does offer illegal actions once something is applied; the search survives them
     assert any(not apply_action(res.state.copy(), a) for a in candidates(res.state, axes, ALL, prune=False))
     start, _ = _ev().score(root)
@@ -138,7 +140,7 @@ def test_refinement_places_and_inserts_before_a_zero_move_and_swaps_its_stage(ml
     m = MCTS(root, _ev(), ("batch",), ALL, seed=0)
     acts = [Tile("inputs[0]", 0, "batch"), ShardOptimizer("*", -1, "batch", 1)]
     state = m.plans.replay(acts)
-    moves = [(g, t) for g, t, _ in m._neighbours(state, acts, m._candidates(state, acts), lambda: False)]
+    moves = [(g, t) for g, t, _ in m.local._neighbours(state, acts, m._candidates(state, acts), lambda: False)]
     assert (1, [acts[0], ShardOptimizer("*", -1, "batch", 3)]) in moves
     placed = [t[0] for g, t in moves if g == 0 and len(t) == 3 and t[1:] == acts]
     assert placed and all(isinstance(a, Tile) and a.target != "inputs[0]" for a in placed)
@@ -146,7 +148,7 @@ def test_refinement_places_and_inserts_before_a_zero_move_and_swaps_its_stage(ml
     assert any(isinstance(a, TileLate) for a in inserted)
     assert all(a not in candidates(state, ("batch",), ALL) for a in inserted)  # illegal after the ZeRO move
     start, _ = _ev().score(state)
-    m.refine(None, 400, starts=[acts])
+    m.local.refine(None, 400, starts=[acts])
     assert m.best[0] <= start
 
 
@@ -218,11 +220,11 @@ def test_parameter_tiles_that_propagate_alike_are_two_plans_and_the_refinement_w
     m = MCTS(root, _ev(), ("model",), ALL, seed=0)
     a, b = [Tile("layers.*.fc1.weight", 0, "model")], [Tile("layers.*.fc2.weight", 1, "model")]
     sa, sb = m.plans.replay(a), m.plans.replay(b)
-    assert all(sa.shard[v] == sb.shard[v] and sa.locked[v] == sb.locked[v] for v in m._decided)
+    assert all(sa.shard[v] == sb.shard[v] and sa.locked[v] == sb.locked[v] for v in m.local._decided)
     assert m._fingerprint(sa) == m._fingerprint(sb)
     assert m._plan_print(sa, a) != m._plan_print(sb, b)
     assert m._plan_print(sa, a) == m._plan_print(m.plans.replay(a), list(a))
     key, _ = m.ev.score(sa, frozenset(a))
-    twins = {tuple(t): k for k, _, t in m._twins(key, sa, a, lambda: False)}
+    twins = {tuple(t): k for k, _, t in m.local._twins(key, sa, a, lambda: False)}
     assert tuple(b) in twins and all(k <= key for k in twins.values())
     assert not any(t[0].target == a[0].target for t in twins)  # another slot's tile, not another dim of the same

@@ -66,7 +66,8 @@ def test_shard_optimizer_matches_zero_tactic_and_simulates():
         assert state.shard[st].axes == zero.shard[st].axes
     params = {n: t.detach() for n, t in model.named_parameters()}
     g = torch.Generator().manual_seed(1)
-    states = {n: {"exp_avg": torch.randn(t.shape, generator=g) * 0.01, "exp_avg_sq": torch.rand(t.shape, generator=g) * 0.01,
+    states = {n: {"exp_avg": torch.randn(t.shape, generator=g) * 0.01,
+                  "exp_avg_sq": torch.rand(t.shape, generator=g) * 0.01,
                   "step": torch.tensor(3.0)} for n, t in model.named_parameters()}
     res = simulate(p, state, params, dict(model.named_buffers()), inputs, states)
     assert res.max_abs_diff <= 1e-5 and res.replica_mismatch <= 1e-5
@@ -78,16 +79,20 @@ def test_random_searched_plans_simulate_exactly():
     mesh = Mesh.parse("batch=2,model=2")
     params = {n: t.detach() for n, t in model.named_parameters()}
     g = torch.Generator().manual_seed(2)
-    states = {n: {"exp_avg": torch.randn(t.shape, generator=g) * 0.01, "exp_avg_sq": torch.rand(t.shape, generator=g) * 0.01,
+    states = {n: {"exp_avg": torch.randn(t.shape, generator=g) * 0.01,
+                  "exp_avg_sq": torch.rand(t.shape, generator=g) * 0.01,
                   "step": torch.tensor(3.0)} for n, t in model.named_parameters()}
     for seed in range(3):
         rng = random.Random(seed)
         state = ShardingState(p, mesh)
+        applied = 0
         for _ in range(5):
             cands = candidates(state, mesh.names, ALL)
             nxt = state.copy()
             if apply_action(nxt, rng.choice(cands)):
-                state = nxt
+                state, applied = nxt, applied + 1
+        # pruned candidates are legal: every draw applied, so the check compares a sharded program
+        assert applied == 5 and any(sh.axes for sh in state.shard), seed
         res = simulate(p, state, params, dict(model.named_buffers()), inputs, states)
         assert res.max_abs_diff <= 1e-5, (seed, [str(a) for a in state.actions])
 

@@ -1,0 +1,87 @@
+"""Budgets, statistics and results of a search, shared by the tree search, the local search and the
+baselines. `INTERRUPTED` (Ctrl-C) ends every phase with its best plan (`tactics.INTERRUPTED`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partir_torch.errors import PartirError
+from partir_torch.propagate import ShardingState
+from partir_torch.search.goals import Score
+from partir_torch.search.space import Action
+from partir_torch.tactics import INTERRUPTED
+
+__all__ = ["DEFAULT_EPISODES", "INTERRUPTED", "Budget", "Result", "Stats"]
+
+DEFAULT_EPISODES = 200  # the budget when none is given (`Budget()`, `Budget.parse(None)`, `SearchConfig()`)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Stop after `episodes`, or after `seconds`, whichever comes first (None: no limit on that). With
+    neither given, the search is bounded by `DEFAULT_EPISODES` episodes: it never runs unbounded."""
+
+    episodes: int | None = None
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.episodes is None and self.seconds is None:  # the one place the default is decided
+            object.__setattr__(self, "episodes", DEFAULT_EPISODES)
+
+    @classmethod
+    def parse(cls, text: str | int | float | Budget | None) -> Budget:
+        """`"30s"`, `"2m"`, `"500"` / `"500ep"` (episodes), a number of episodes, or None (the default)."""
+        if text is None:
+            return cls()
+        if isinstance(text, Budget):
+            out = text
+        elif isinstance(text, int | float):
+            out = cls(episodes=int(text))
+        else:
+            t = text.strip().lower()
+            try:
+                if t.endswith("ms"):
+                    out = cls(seconds=float(t[:-2]) / 1e3)
+                elif t.endswith("s"):
+                    out = cls(seconds=float(t[:-1]))
+                elif t.endswith("m"):
+                    out = cls(seconds=60 * float(t[:-1]))
+                else:
+                    out = cls(episodes=int(t.removesuffix("ep")))
+            except ValueError:
+                raise PartirError(f"cannot read search budget {text!r}; write e.g. 30s, 2m or 500 (episodes)") from None
+        if (out.episodes is not None and out.episodes <= 0) or (out.seconds is not None and out.seconds <= 0):
+            raise PartirError(f"search budget {text!r} must be positive; give e.g. 30s, 2m or 500 (episodes), or "
+                              f"nothing for the default ({DEFAULT_EPISODES} episodes)")
+        return out
+
+    def split(self, k: int) -> Budget:
+        return Budget(None if self.episodes is None else max(1, self.episodes // k),
+                      None if self.seconds is None else self.seconds / k)
+
+
+@dataclass
+class Stats:
+    episodes: int = 0
+    nodes: int = 0
+    evaluations: int = 0
+    time_s: float = 0.0
+    propagation_time_s: float = 0.0
+    cost_time_s: float = 0.0
+    best_at_episode: int = 0
+
+    def to_json(self) -> dict:
+        return {"episodes": self.episodes, "states": self.nodes, "evaluations": self.evaluations,
+                "time_s": self.time_s, "evaluations_per_s": self.evaluations / self.time_s if self.time_s else 0.0,
+                "propagation_time_s": self.propagation_time_s, "cost_time_s": self.cost_time_s,
+                "best_at_episode": self.best_at_episode}
+
+
+@dataclass
+class Result:
+    state: ShardingState
+    actions: list[Action]
+    key: Score
+    stats: Stats
+
+
