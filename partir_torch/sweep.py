@@ -168,7 +168,7 @@ def _capture(model, inputs, loss_fn, notes: list[str]):
     path for training-only constructs), or a submodule with data-dependent shapes that fallback=True captures
     as one replicated op, take it as a user would, and note it."""
     from partir_torch.capture import capture
-    from partir_torch.capture.trace import EVAL_HINT
+    from partir_torch.capture.explain import EVAL_HINT
 
     kw: dict = {}
     for _ in range(4):

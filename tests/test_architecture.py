@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"api", "lightning", "cli", "__init__"},  # the facades
 ]
 LAYER = {u: i for i, layer in enumerate(LAYERS) for u in layer}
-CORE = ("ir", "rules", "analysis", "propagate", "lower", "tactics", "cost", "search", "plan")
+CORE = ("capture", "ir", "rules", "analysis", "propagate", "lower", "tactics", "cost", "search", "plan")
 MAX_LINES = 500
 
 

@@ -5,20 +5,15 @@ written as a pure function (forward and loss through `_reparametrize_module`, ba
 `torch.func.grad_and_value`, the update through `capture.optim`), functionalized, and traced with `make_fx`
 in a `FakeTensorMode`. No weight is ever allocated: a 7B model built on the meta device captures in seconds.
 
-Module attribution: forward ops get the path of the innermost module running when they were traced (global
-forward hooks write it into the FX node meta); backward ops inherit it from the forward op whose autograd
-node produced them (the autograd sequence number, as aot_autograd does).
+The parts: module attribution (`attribution`), the FX graph as a `Program` (`convert`), the checks fake
+tensors skip (`checks`), errors explained (`explain`), opaque modules (`opaque`), folding (`fold`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import operator
-import os
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,17 +26,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+from partir_torch.capture.attribution import ForwardArgs, ModuleTracker, tag_backward
+from partir_torch.capture.checks import check_dtypes, check_functional
+from partir_torch.capture.convert import to_program
 from partir_torch.capture.decomp import FUNCTIONAL_DECOMPS
+from partir_torch.capture.explain import data_dependent, explain
 from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
 from partir_torch.capture.opaque import OpaqueModules, OutputShapeVaries
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
-from partir_torch.errors import CaptureError, InputShapeError
-from partir_torch.ir.program import Group, Op, Phase, Program, Ref, Role, Value
+from partir_torch.errors import CaptureError
+from partir_torch.ir.program import Group, Program, Role
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
 log = logging.getLogger(__name__)
-_OUR_DIR = os.path.dirname(os.path.dirname(__file__))
 
 
 def capture(
@@ -125,7 +122,7 @@ def capture(
     bnames = list(buffers)
     n_p, n_b = len(names), len(bnames)
     n_s = len(shared) + sum(len(s) for s in states.values())
-    tracker = _ModuleTracker(model)
+    tracker = ModuleTracker(model)
     input_args: list[int | str | None] = [None] * len(inputs)  # where each input enters model.forward
 
     def step(*flat: torch.Tensor) -> list[torch.Tensor]:
@@ -137,7 +134,7 @@ def capture(
         xs = flat[n_p + n_b + n_s :]
         if mode == "inference":
             with _reparametrize_module(model, {**p_vals, **b_vals}, tie_weights=True), \
-                    _forward_args(model, xs, input_args):
+                    ForwardArgs(model, xs, input_args):
                 out = model(*xs)
             leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             if not leaves:
@@ -149,13 +146,13 @@ def capture(
         def loss_of(train_vals: list[torch.Tensor], buf_vals: dict[str, torch.Tensor]) -> torch.Tensor:
             values = {**p_vals, **dict(zip(trainable, train_vals)), **buf_vals}
             with _reparametrize_module(model, values, tie_weights=True), \
-                    _forward_args(model, xs, input_args):
+                    ForwardArgs(model, xs, input_args):
                 loss = loss_fn(model, *xs)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise CaptureError(f"loss_fn must return a scalar tensor, got {shape}; reduce it with .mean() or "
                                    ".sum()")
-            _tag_backward(loss)
+            tag_backward(loss)
             return loss.reshape(())
 
         if opaque:  # torch.func's transforms cannot differentiate a custom op: autograd, as aot_autograd does
@@ -201,14 +198,14 @@ def capture(
             if path is None:
                 if isinstance(e, CaptureError):
                     raise
-                raise _explain(e, tracker, inputs) from e
+                raise explain(e, tracker, inputs) from e
             opaque = [p for p in opaque if not p.startswith(f"{path}.") and p != path] + [path]
             tracker.failed_in, tracker.failed_stack = None, []
         finally:
             torch._C._set_mkldnn_enabled(mkldnn)
             for mod, kind, n, obj in saved:
                 getattr(mod, kind)[n] = obj
-    _check_functional(gm)
+    check_functional(gm)
     for line in opaque_mods.summary():
         warnings.warn(f"capture (fallback): data-dependent shapes in {line}; it runs replicated on every device "
                       "(no sharding inside it, its FLOPs charged to each device, its inputs gathered first)",
@@ -232,7 +229,7 @@ def capture(
     in_roles += [(Role.OPT_STATE, f"opt.{s}[{n}]") for n in updated for s in states[n]]
     in_roles += [(Role.INPUT, f"inputs[{i}]") for i in range(len(inputs))]
     program = to_program(gm, in_roles, out_roles, mode)
-    _check_dtypes(program)
+    check_dtypes(program)
     program.params = {n: i for i, n in enumerate(names)}
     program.buffers = {n: n_p + i for i, n in enumerate(bnames)}
     k = n_p + n_b
@@ -254,51 +251,7 @@ def capture(
     return program
 
 
-# ops whose CPU/GPU kernels require one dtype for their tensor operands, which their fake (meta) kernels do not
-# check: torch would reject the step at its first real run
-_SAME_DTYPE = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default",
-               "aten.addbmm.default", "aten.convolution.default"}
-_CHECK_LIMIT = 1 << 26  # bytes: larger operands are not allocated to ask torch for its message
-
-
-def _check_dtypes(program: Program) -> None:
-    """A step real torch rejects (an int64 tensor into nn.Linear, float64 inputs into a float32 model) fails
-    here, with torch's own message: the op is run for real, on empty tensors of its shapes and dtypes."""
-    for op in program.ops:
-        if op.target not in _SAME_DTYPE:
-            continue
-        refs: list[int] = []
-        _real((*op.args, *(a for _, a in op.kwargs)), iter(()), refs)
-        vals = [program.values[v] for v in refs]
-        if len({v.dtype for v in vals}) <= 1:
-            continue
-        dtypes = ", ".join(f"{v.name} {str(v.dtype).removeprefix('torch.')}" for v in vals)
-        msg = f"{op.target} got operands of different dtypes ({dtypes})"
-        if sum(math.prod(v.shape) * v.dtype.itemsize for v in vals) <= _CHECK_LIMIT:
-            it = iter(torch.empty(v.shape, dtype=v.dtype) for v in vals)
-            try:
-                op.overload(*_real(op.args, it), **{k: _real(a, it) for k, a in op.kwargs})
-                continue  # torch accepts it
-            except RuntimeError as e:
-                msg = str(e).strip().splitlines()[0]
-        raise CaptureError(
-            f"torch rejects this step: {msg} (op {op.target} in module {op.module or '<root>'}"
-            f"{f' ({op.source})' if op.source else ''}). Give the model inputs of the dtype its "
-            "weights have (e.g. x.float() for integer data, or model.to(x.dtype)), or wrap the forward in "
-            "torch.autocast")
-
-
-def _real(a: Any, it, found: list[int] | None = None) -> Any:
-    """`a` with each `Ref` replaced by the next tensor of `it` (or, with `found`, their value ids collected)."""
-    if isinstance(a, Ref):
-        if found is not None:
-            found.append(a.id)
-            return a
-        return next(it)
-    return type(a)(_real(x, it, found) for x in a) if isinstance(a, (list, tuple)) else a
-
-
-def _opaque_candidate(e: Exception, tracker: _ModuleTracker, opaque: list[str]) -> str | None:
+def _opaque_candidate(e: Exception, tracker: ModuleTracker, opaque: list[str]) -> str | None:
     """The module to capture as an opaque op after `e`: the innermost module running when a data-dependent
     op was met (or the parent of an opaque module whose output shape varies); None if `e` is another
     error, or the model's own forward is the one to blame (making the whole model opaque shards nothing)."""
@@ -307,20 +260,11 @@ def _opaque_candidate(e: Exception, tracker: _ModuleTracker, opaque: list[str]) 
         err = e if isinstance(e, OutputShapeVaries) else e.__cause__
         parents = [p for p in stack if err.path.startswith(f"{p}.") or (p == "" and err.path)]  # type: ignore[union-attr]
         path = parents[-1] if parents else None
-    elif _data_dependent(e):
+    elif data_dependent(e):
         path = stack[-1] if stack else None
     else:
         return None
     return path if path and path not in opaque else None
-
-
-def _data_dependent(e: Exception) -> bool:
-    """A value read (`.item()`, a branch on a tensor) or an op whose output shape depends on values (`nonzero`)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
-    text = str(e)
-    return (isinstance(e, DataDependentOutputException | DynamicOutputShapeException) or "data-dependent" in text
-            or "data dependent" in text)
 
 
 def _functionalize_autograd(fn: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torch.Tensor]]:
@@ -411,249 +355,6 @@ def _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback=Fa
         fake_log.setLevel(level)
 
 
-
-
-def _check_functional(gm: torch.fx.GraphModule) -> None:
-    """No op of the captured program may write its arguments (except the final buffer copies)."""
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is aten.copy_.default:
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if schema and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-            raise CaptureError(
-                f"operator {node.target} writes one of its inputs in place and could not be made functional; "
-                "use its out-of-place form in the model, or report the op so a functional rewrite is added"
-            )
-
-
-class _forward_args:
-    """Records, on the model's first call, which forward argument (position, or keyword name) each example
-    input is passed as, so a backend can shard the batches that reach `model.forward` as the plan says."""
-
-    def __init__(self, model: nn.Module, xs: Sequence[torch.Tensor], found: list[int | str | None]) -> None:
-        self.model, self.xs, self.found, self.done = model, xs, found, False
-
-    def _pre(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.done:
-            return
-        self.done = True
-        slots: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
-        for i, x in enumerate(self.xs):
-            self.found[i] = next((k for k, a in slots if a is x), None)
-
-    def __enter__(self) -> _forward_args:
-        self.handle = self.model.register_forward_pre_hook(self._pre, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.handle.remove()
-
-
-# -- module attribution ------------------------------------------------------------------------------------
-class _ModuleTracker:
-    """Global forward hooks that stamp FX nodes with the running module's path (and remember it on errors)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
-        self.stack: list[tuple[str, nn.Module, list[Any]]] = []
-        self.failed_in: tuple[str, nn.Module, list[Any]] | None = None
-        self.failed_stack: list[tuple[str, nn.Module, list[Any]]] = []  # every module running at the failure
-
-    def _pre(self, mod: nn.Module, args: tuple[Any, ...]) -> None:
-        path = self.paths.get(id(mod))
-        if path is None:
-            return
-        shapes = [list(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
-        self.stack.append((path, mod, shapes))
-        fx_traceback.current_meta["custom"] = {"module": path}
-
-    def _post(self, mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
-        if self.paths.get(id(mod)) is None or not self.stack:
-            return
-        self.stack.pop()
-        if self.stack:
-            fx_traceback.current_meta["custom"] = {"module": self.stack[-1][0]}
-        else:
-            fx_traceback.current_meta.pop("custom", None)
-
-    def __enter__(self) -> _ModuleTracker:
-        self._handles = [
-            nn.modules.module.register_module_forward_pre_hook(self._pre),
-            nn.modules.module.register_module_forward_hook(self._post),
-        ]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        if exc[0] is not None and self.stack:
-            self.failed_in = self.stack[-1]
-            self.failed_stack = list(self.stack)
-        self.stack.clear()
-
-
-def _tag_backward(loss: torch.Tensor) -> None:
-    """Make backward ops carry the autograd sequence number of the forward op they differentiate."""
-    seen: set[Any] = set()
-    todo = [loss.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        seq = node._sequence_nr()
-        node.register_prehook(lambda _g, seq=seq: fx_traceback.set_grad_fn_seq_nr(seq))
-        node.register_hook(lambda _gi, _go: fx_traceback.reset_grad_fn_seq_nr())
-        todo.extend(fn for fn, _ in node.next_functions)
-
-
-# -- FX graph -> Program -----------------------------------------------------------------------------------
-def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Program:
-    values: list[Value] = []
-    ops: list[Op] = []
-    env: dict[torch.fx.Node, Any] = {}  # node -> value id, or tuple of value ids for multi-output ops
-    fwd_module_by_seq: dict[int, str] = {}
-    fwd_source_by_seq: dict[int, str] = {}
-
-    def new_value(name: str, val: Any, role: Role, producer: int) -> int:
-        if not isinstance(val, torch.Tensor):
-            return -1
-        vid = len(values)
-        values.append(Value(vid, name, tuple(int(s) for s in val.shape), val.dtype, role, producer))
-        return vid
-
-    def ref(a: Any) -> Any:
-        if isinstance(a, torch.fx.Node):
-            v = env[a]
-            return Ref(v) if isinstance(v, int) else tuple(Ref(x) for x in v)
-        if isinstance(a, (list, tuple)):
-            return type(a)(ref(x) for x in a)
-        return a
-
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    for node, (role, name) in zip(placeholders, in_roles):
-        env[node] = new_value(name, node.meta["val"], role, -1)
-    placeholder_ids = {env[n] for n in placeholders}
-    mutated: list[tuple[int, int]] = []  # (input value, its new value): functionalized buffer mutations
-    constants: dict[str, int] = {}
-
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":  # a tensor constant the model created (e.g. torch.tensor(-inf))
-            if node.target not in constants:
-                const = getattr(gm, node.target)
-                constants[node.target] = new_value(f"constant[{node.target}]", const, Role.BUFFER, -1)
-            env[node] = constants[node.target]
-            continue
-        if node.op != "call_function":
-            continue
-        if node.target is torch.ops.aten.copy_.default and env.get(node.args[0]) in placeholder_ids:
-            mutated.append((env[node.args[0]], env[node.args[1]]))
-            env[node] = env[node.args[1]]
-            continue
-        if node.target is operator.getitem:
-            env[node] = env[node.args[0]][node.args[1]]
-            continue
-        oid = len(ops)
-        val = node.meta.get("val")
-        if isinstance(val, (tuple, list)):
-            outs = tuple(new_value(f"{node.name}.{i}", v, Role.ACTIVATION, oid) for i, v in enumerate(val))
-            env[node] = outs
-        else:
-            outs = (new_value(node.name, val, Role.ACTIVATION, oid),)
-            env[node] = outs[0]
-        inputs: list[int] = []
-        for a in node.all_input_nodes:
-            v = env[a]
-            inputs += [v] if isinstance(v, int) else [x for x in v if x >= 0]
-        custom = node.meta.get("custom") or {}
-        module, source = custom.get("module"), custom.get("source") or _user_line(node.meta.get("stack_trace"))
-        seq = node.meta.get("seq_nr")
-        if module is not None and seq is not None:
-            fwd_module_by_seq.setdefault(seq, module)
-        elif module is None and seq is not None:
-            module = fwd_module_by_seq.get(seq)
-        if source is not None and seq is not None:
-            fwd_source_by_seq.setdefault(seq, source)
-        elif source is None and seq is not None:
-            source = fwd_source_by_seq.get(seq)
-        # kept on the node, so a re-trace that decomposes it (rules/decompose.py) attributes its parts too
-        node.meta["custom"] = {"module": module, "source": source}
-        ops.append(
-            Op(
-                oid,
-                str(node.target),
-                tuple(inputs),
-                outs,
-                tuple(ref(a) for a in node.args),
-                tuple((k, ref(a)) for k, a in node.kwargs.items()),
-                Phase.FORWARD,
-                module,
-                node.target,
-                source,
-            )
-        )
-
-    (out_args,) = gm.graph.find_nodes(op="output")[0].args
-    outputs = [env[a] for a in out_args]
-    for old, new in mutated:
-        outputs.append(new)
-        out_roles = [*out_roles, (Role.OUTPUT, f"updated[{values[old].name}]", old)]
-    updates: dict[int, int] = {}
-    renamed: set[int] = set()
-    for vid, (role, name, src) in zip(outputs, out_roles):
-        if vid < 0 or values[vid].producer < 0 or vid in renamed:
-            continue
-        renamed.add(vid)
-        v = values[vid]
-        values[vid] = Value(vid, name, v.shape, v.dtype, role, v.producer)
-        if src is not None:
-            updates[vid] = src
-
-    if mode == "train":
-        assign_phases(ops, values, outputs)
-    program = Program(values, ops, {}, {}, [], {}, {}, updates, outputs, None, [], mode, None, graph_module=gm)
-    program.constants = constants
-    program.n_graph_outputs = len(out_args)
-    return program
-
-
-def _user_line(stack_trace: str | None) -> str | None:
-    """`modeling_gpt2.py:123` of the innermost frame outside torch and partir_torch in an FX stack trace."""
-    if not stack_trace:
-        return None
-    found = None
-    for line in stack_trace.splitlines():
-        line = line.strip()
-        if line.startswith('File "'):
-            path, _, rest = line[6:].partition('", line ')
-            if not path.startswith(_TORCH_DIR) and not path.startswith(_OUR_DIR) and "<" not in path:
-                found = f"{os.path.basename(path)}:{rest.split(',')[0]}"
-    return found
-
-
-def assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> None:
-    """Forward = ancestors of the loss; backward = other ancestors of the gradients; the rest optimizer."""
-
-    def ancestors(roots: list[int]) -> set[int]:
-        seen: set[int] = set()
-        todo = [values[r].producer for r in roots if r >= 0 and values[r].producer >= 0]
-        while todo:
-            o = todo.pop()
-            if o in seen:
-                continue
-            seen.add(o)
-            todo += [values[i].producer for i in ops[o].inputs if values[i].producer >= 0]
-        return seen
-
-    fwd = ancestors(outputs[:1])
-    bwd = ancestors([v for v in outputs if v >= 0 and values[v].role is Role.GRADIENT]) - fwd
-    for i, op in enumerate(ops):
-        phase = Phase.FORWARD if i in fwd else Phase.BACKWARD if i in bwd else Phase.OPTIMIZER
-        if phase is not Phase.FORWARD:
-            ops[i] = Op(op.id, op.target, op.inputs, op.outputs, op.args, op.kwargs, phase, op.module, op.overload,
-                        op.source)
-
-
 def _groups(model: nn.Module, program: Program, spec: OptimizerSpec | None) -> list[Group]:
     shapes = {n: program.values[i].shape for n, i in program.params.items()}
     by_name = {v.name: v.id for v in program.values}
@@ -669,115 +370,3 @@ def _groups(model: nn.Module, program: Program, spec: OptimizerSpec | None) -> l
             ids += [by_name[x] for x in names if x in by_name]
         groups.append(Group(len(groups), key, shapes[members[0]], tuple(members), tuple(ids)))
     return groups
-
-
-# -- errors ------------------------------------------------------------------------------------------------
-def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
-    frames = traceback.extract_tb(e.__traceback__)
-    for f in reversed(frames):
-        if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_OUR_DIR):
-            return f
-    return None
-
-
-def _explain(e: Exception, tracker: _ModuleTracker, inputs: tuple[torch.Tensor, ...]) -> CaptureError:
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    frame = _user_frame(e)
-    where = f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else ""
-    text = str(e)
-    from torch._subclasses.fake_tensor import UnsupportedOperatorException
-
-    if _data_dependent(e):
-        return CaptureError(
-            f"the model has data-dependent Python control flow or reads a tensor's value{where}: capture traces "
-            "with shapes only, so a branch or `.item()` on tensor values cannot be followed. Replace it with "
-            f"torch.where / masking, or make it depend on shapes only.{_compile_hint(frame)}{_opaque_hint(tracker)} "
-            f"(torch said: {msg})"
-        )
-    if isinstance(e, UnsupportedOperatorException):
-        return CaptureError(
-            f"operator {e.func} has no shape (meta/fake) implementation, so it cannot be captured{where}. Use a "
-            "standard op instead, or register a fake implementation with torch.library.register_fake."
-        )
-    given = ", ".join(f"inputs[{i}]: {list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
-                      for i, x in enumerate(inputs))
-    in_module = ""
-    if tracker.failed_in is not None:
-        path, mod, shapes = tracker.failed_in
-        own = ", ".join(f"{n} {list(p.shape)}" for n, p in mod.named_parameters(recurse=False))
-        in_module = f" in module {path or '<root>'!r} ({type(mod).__name__}{'; ' + own if own else ''})"
-    if tracker.failed_in is not None and any(w in text.lower() for w in _SHAPE_WORDS):
-        expect = _expected(mod)
-        return InputShapeError(
-            f"capture failed in module {path or '<root>'!r} ({type(mod).__name__}{'; ' + own if own else ''}){where}: "
-            f"{msg}. It received input shapes {shapes}{'; it expects ' + expect if expect else ''}. "
-            f"Example inputs given: {given}. Check that the example inputs have the shapes the model expects."
-        )
-    patched = ""
-    if tracker.failed_in is not None and type(mod).__module__.startswith("torch_xla"):
-        orig = f"torch.nn.{type(mod).__name__}._orig"
-        patched = (f" {type(mod).__name__} here is torch_xla's replacement ({type(mod).__module__}): importing "
-                   "torch_xla "
-                   f"patches torch.nn.{type(mod).__name__} with it, and it cannot be traced; build the module with "
-                   f"{orig} (the original torch class), or build the model before torch_xla is imported.")
-    return CaptureError(f"capture failed{in_module}{where}: {msg}.{patched}{_training_hint(frame)} "
-                        f"Example inputs given: {given}.")
-
-
-def _opaque_hint(tracker: _ModuleTracker) -> str:
-    """Inside a submodule, fallback=True captures that module as one replicated op."""
-    if tracker.failed_in is None or not tracker.failed_in[0]:
-        return ""
-    path, mod, _ = tracker.failed_in
-    return (f" Or capture with fallback=True (CLI --fallback): module {path!r} ({type(mod).__name__}) then "
-            f"becomes one opaque op that runs replicated ({OPAQUE_HINT}).")
-
-
-OPAQUE_HINT = "no sharding inside it; its FLOPs measured by running it once"
-EVAL_HINT = "capture the model in eval mode (model.eval(): no dropout)"
-
-
-def _near(frame: traceback.FrameSummary | None) -> str:
-    """The failing line of user code and the 3 lines before it."""
-    if frame is None:
-        return ""
-    try:
-        with open(frame.filename) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[max(0, (frame.lineno or 1) - 4): frame.lineno or 1])
-
-
-def _training_hint(frame: traceback.FrameSummary | None) -> str:
-    """A construct that only runs in training mode (LayerDrop's branch on torch.rand(), a training-only
-    autograd.Function) is avoided by the library's own eval path."""
-    if "self.training" not in _near(frame):
-        return ""
-    return f" The failing code runs only in training mode: {EVAL_HINT}, or turn the library's option off."
-
-
-def _compile_hint(frame: traceback.FrameSummary | None) -> str:
-    """When the failing check is skipped under torch.compile, say how to take that branch."""
-    near = _near(frame)
-    if not any(w in near for w in ("is_tracing", "is_compiling", "is_torchdynamo_compiling")):
-        return _training_hint(frame)
-    hf = (" For HF transformers models, attn_implementation=\"eager\" in the config also avoids the SDPA mask "
-          "check." if "transformers" in frame.filename else "")
-    return (" This library skips the check when it is compiled: capture(..., assume_compiling=True) (CLI "
-            f"--assume-compiling) takes that path.{hf}")
-
-
-_SHAPE_WORDS = ("shape", "size", "dimension", "mat1 and mat2", "expected input", "must match", "broadcast")
-
-
-def _expected(mod: nn.Module) -> str:
-    if isinstance(mod, nn.Linear):
-        return f"[..., {mod.in_features}]"
-    if isinstance(mod, nn.Conv2d | nn.Conv1d | nn.Conv3d):
-        return f"[N, {mod.in_channels}, ...]"
-    if isinstance(mod, nn.Embedding):
-        return f"integer indices < {mod.num_embeddings}"
-    if isinstance(mod, nn.LayerNorm):
-        return f"[..., {', '.join(map(str, mod.normalized_shape))}]"
-    return ""

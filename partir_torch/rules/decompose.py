@@ -72,7 +72,7 @@ def prepare(program: Program, *, fallback: bool = False, rounds: int = 3) -> Pro
 
 
 def _retrace(program: Program, table) -> Program:
-    from partir_torch.capture.trace import assign_phases, to_program
+    from partir_torch.capture.convert import assign_phases, to_program
 
     gm = program.graph_module
     placeholders = gm.graph.find_nodes(op="placeholder")

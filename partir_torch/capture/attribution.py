@@ -1,0 +1,95 @@
+"""Module attribution at capture: which module runs each traced op, and which forward argument each input is.
+
+Forward ops get the path of the innermost module running when they were traced (global forward hooks write it
+into the FX node meta); backward ops inherit it from the forward op whose autograd node produced them (the
+autograd sequence number, as aot_autograd does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+
+
+class ForwardArgs:
+    """Records, on the model's first call, which forward argument (position, or keyword name) each example
+    input is passed as, so a backend can shard the batches that reach `model.forward` as the plan says."""
+
+    def __init__(self, model: nn.Module, xs: Sequence[torch.Tensor], found: list[int | str | None]) -> None:
+        self.model, self.xs, self.found, self.done = model, xs, found, False
+
+    def _pre(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.done:
+            return
+        self.done = True
+        slots: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+        for i, x in enumerate(self.xs):
+            self.found[i] = next((k for k, a in slots if a is x), None)
+
+    def __enter__(self) -> ForwardArgs:
+        self.handle = self.model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
+
+
+class ModuleTracker:
+    """Global forward hooks that stamp FX nodes with the running module's path (and remember it on errors)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+        self.stack: list[tuple[str, nn.Module, list[Any]]] = []
+        self.failed_in: tuple[str, nn.Module, list[Any]] | None = None
+        self.failed_stack: list[tuple[str, nn.Module, list[Any]]] = []  # every module running at the failure
+
+    def _pre(self, mod: nn.Module, args: tuple[Any, ...]) -> None:
+        path = self.paths.get(id(mod))
+        if path is None:
+            return
+        shapes = [list(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
+        self.stack.append((path, mod, shapes))
+        fx_traceback.current_meta["custom"] = {"module": path}
+
+    def _post(self, mod: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        if self.paths.get(id(mod)) is None or not self.stack:
+            return
+        self.stack.pop()
+        if self.stack:
+            fx_traceback.current_meta["custom"] = {"module": self.stack[-1][0]}
+        else:
+            fx_traceback.current_meta.pop("custom", None)
+
+    def __enter__(self) -> ModuleTracker:
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._pre),
+            nn.modules.module.register_module_forward_hook(self._post),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        if exc[0] is not None and self.stack:
+            self.failed_in = self.stack[-1]
+            self.failed_stack = list(self.stack)
+        self.stack.clear()
+
+
+def tag_backward(loss: torch.Tensor) -> None:
+    """Make backward ops carry the autograd sequence number of the forward op they differentiate."""
+    seen: set[Any] = set()
+    todo = [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        seq = node._sequence_nr()
+        node.register_prehook(lambda _g, seq=seq: fx_traceback.set_grad_fn_seq_nr(seq))
+        node.register_hook(lambda _gi, _go: fx_traceback.reset_grad_fn_seq_nr())
+        todo.extend(fn for fn, _ in node.next_functions)
