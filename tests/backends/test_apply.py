@@ -257,3 +257,45 @@ def test_the_norm_lowerings_compute_what_torch_does(shape, groups):
     torch.testing.assert_close(_group_norm(x, groups), F.group_norm(x, groups))
     lw, lb = torch.randn(shape[-1], dtype=torch.float64), torch.randn(shape[-1], dtype=torch.float64)
     torch.testing.assert_close(_layer_norm(x, (shape[-1],), lw, lb), F.layer_norm(x, (shape[-1],), lw, lb))
+
+
+class Dropper(nn.Module):
+    """Not a zoo model: a linear layer whose output goes through dropout, so the output shows the mask."""
+
+    def __init__(self, d: int = 64, p: float = 0.5) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(x))
+
+
+def test_dropout_on_the_engine_draws_per_shard_masks_with_dropouts_statistics():
+    """docs/apply.md: XLA draws a sharded random tensor per shard from its own generator. What must hold is
+    dropout's law: each element dropped with probability p, the kept ones scaled by 1/(1-p), and the shards'
+    masks drawn apart (not one mask repeated on every shard)."""
+    import torch_xla
+
+    torch.manual_seed(0)
+    p, model = 0.5, Dropper()
+    x = torch.randn(16, 32, 64)
+    plan = search(model, (x,), MESH, loss_fn=lambda m, x: m(x).square().mean(), optimizer="sgd",
+                  schedule="batch:BatchParallel;model:BatchParallel")
+    assert list(plan.inputs[0][0]) == ["batch", "model"]  # the batch dim split 8 ways
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _ = partir_torch.auto_shard(model, (x,), MESH, loss_fn=lambda m, x: m(x).square().mean(), optimizer=opt,
+                                       plan=plan)
+    (xs,) = partir_torch.shard_batch(model, x)
+    model.train()
+    y = model(xs)
+    model.eval()
+    z = model(xs)
+    torch_xla.sync()
+    y, z = y.cpu(), z.cpu()
+    dropped = y == 0
+    n = dropped.numel()
+    assert abs(dropped.float().mean().item() - p) < 5 * (p * (1 - p) / n) ** 0.5
+    torch.testing.assert_close(y[~dropped], z[~dropped] / (1 - p))
+    shards = dropped.reshape(8, -1)  # the batch is split 8 ways (batch x model): two rows a shard
+    assert all(not torch.equal(shards[0], s) for s in shards[1:])
