@@ -33,6 +33,7 @@ class PlanSpecs:
     activations: dict[str, Spec] = field(default_factory=dict)  # module path -> spec of its output
     grads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec of its gradient
     module_inputs: dict[str, list] = field(default_factory=dict)  # module path -> [input spec, its gradient's or None]
+    param_reads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec its module's forward reads it in
 
 
 def _forward_modules(program) -> tuple[dict[str, list[int]], dict[str, int]]:
@@ -108,6 +109,51 @@ def module_inputs(state: ShardingState) -> dict[str, tuple[int, Sharding, Shardi
     return out
 
 
+def param_reads(state: ShardingState) -> dict[str, Sharding]:
+    """{parameter name: the sharding its module's forward reads it in} for parameters the plan stores sharded
+    and gathers (or re-tiles) before use, read by the ops of one module called once, all in one sharding.
+    A backend hands that module the parameter in that sharding, so that the engine reshards it once and
+    the backward reuses it as the cost model does (XLA otherwise re-gathers a linear's transposed weight
+    in the backward). Left out: tied parameters (used by several modules), and parameters the plan's
+    backward reshards again (the engine is left to do so too)."""
+    from partir_torch.ir.program import Phase
+    from partir_torch.lower import op_reshards
+
+    program = state.program
+    ops_of, calls = _forward_modules(program)
+    users = program.users
+    again = {w for op in program.ops if op.phase is Phase.BACKWARD for w, _, _ in op_reshards(state, op.id)}
+    out: dict[str, Sharding] = {}
+    for name, v in program.params.items():
+        fwd = [u for u in users[v] if program.ops[u].phase is Phase.FORWARD]
+        owner = name.rpartition(".")[0]
+        if not fwd or calls.get(owner, 1) > 1 or owner not in ops_of:
+            continue
+        inside = set(ops_of[owner])
+        if any(u not in inside for u in fwd):
+            continue
+        need = _read_as(state, v, inside)
+        if need is None or need == state.shard[v] or _views(program, v) & again:
+            continue  # (the backward reshards it again: the plan does not reuse the forward's copy)
+        out[name] = need
+    return out
+
+
+def _views(program, v: int) -> set[int]:
+    """`v` and the values made from it by chains of same-size single-operand ops (its views and casts)."""
+    seen, todo = {v}, [v]
+    while todo:
+        c = todo.pop()
+        for u in program.users[c]:
+            op = program.ops[u]
+            outs = [o for o in op.outputs if o >= 0]
+            if len([i for i in op.inputs if i >= 0]) == 1 and len(outs) == 1 and outs[0] not in seen \
+                    and program.values[outs[0]].numel == program.values[c].numel:
+                seen.add(outs[0])
+                todo.append(outs[0])
+    return seen
+
+
 def _grad_read_as(state: ShardingState, v: int, path: str) -> Sharding | None:
     """The sharding of the gradient the module at `path` sends back for its input `v`: the one value of v's
     shape that its backward ops make and ops outside them use, as they make it, or, when that is a pending
@@ -168,6 +214,13 @@ def _read_as(state: ShardingState, v: int, inside: set[int]) -> Sharding | None:
             return None
         chain.append(rule)
         cur = rule.results[0].value
+        made = [dst for w, _, dst in op_reshards(state, uses[0]) if w == cur]
+        if made:  # the view resharded where it is made (`lower.relayout_root`: one collective for its readers)
+            need = made[0]
+            for u in users[cur]:  # ... and read so here, not re-sliced to another sharding by the module
+                if u in inside and any(w == cur and dst != need for w, _, dst in op_reshards(state, u)):
+                    return None
+            break
     if need.partial or need.chunks:
         return None
     for rule in reversed(chain):  # back through the views: each tiled result dim to the operand dim of its factor
@@ -228,6 +281,7 @@ def specs(state: ShardingState) -> PlanSpecs:
         expand({n: state.shard[v].to_spec() for n, v in p.grads.items()}),
         {k.removesuffix("."): [need.to_spec(), grad.to_spec() if grad is not None else None]
          for path, (_, need, grad) in module_inputs(state).items() for k in full_names(path + ".", fold)},
+        expand({n: need.to_spec() for n, need in param_reads(state).items()}),
     )
 
 
@@ -258,6 +312,7 @@ class ShardingPlan:
     activations: dict[str, Spec] = field(default_factory=dict)  # module path -> spec of its output
     grads: dict[str, Spec] = field(default_factory=dict)
     module_inputs: dict[str, list] = field(default_factory=dict)  # module path -> [input spec, its gradient's or None]
+    param_reads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec its module's forward reads it in
     shapes: dict[str, Any] = field(default_factory=dict)  # {"params": {n: shape}, "buffers": ..., "inputs": [...]}
     input_args: list[int | str | None] = field(default_factory=list)  # forward argument of each input
     optimizer: str | None = None
@@ -277,7 +332,8 @@ class ShardingPlan:
         return cls(dict(state.mesh.axes), sp.params, sp.inputs, sp.optimizer_state, cost.to_json(), schedule,
                    hardware, sorted(dcn_axes), [c.describe(p) for c in state.conflicts], search,
                    buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}),
-                   activations=sp.activations, grads=sp.grads, module_inputs=sp.module_inputs, shapes=shapes,
+                   activations=sp.activations, grads=sp.grads, module_inputs=sp.module_inputs,
+                   param_reads=sp.param_reads, shapes=shapes,
                    input_args=list(p.input_args),
                    optimizer=p.optimizer, program_hash=p.content_hash())
 
@@ -285,15 +341,15 @@ class ShardingPlan:
     def specs(self) -> PlanSpecs:
         """What a backend applies."""
         return PlanSpecs(self.params, self.inputs, self.optimizer_state, self.activations, self.grads,
-                         self.module_inputs)
+                         self.module_inputs, self.param_reads)
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "mesh": {"axes": self.mesh, "dcn": self.dcn_axes}, "schedule": self.schedule,
                "hardware": self.hardware, "optimizer": self.optimizer, "program_hash": self.program_hash,
                "params": self.params, "buffers": self.buffers, "inputs": self.inputs, "input_args": self.input_args,
                "optimizer_state": self.optimizer_state, "activations": self.activations, "grads": self.grads,
-               "module_inputs": self.module_inputs, "shapes": self.shapes, "cost": self.cost,
-               "conflicts": self.conflicts}
+               "module_inputs": self.module_inputs, "param_reads": self.param_reads, "shapes": self.shapes,
+               "cost": self.cost, "conflicts": self.conflicts}
         if self.search is not None:
             out["search"] = self.search
         return out
@@ -307,8 +363,8 @@ class ShardingPlan:
         return cls(dict(d["mesh"]["axes"]), d["params"], d["inputs"], d["optimizer_state"], d["cost"],
                    d.get("schedule"), d.get("hardware"), list(d["mesh"].get("dcn", [])), d.get("conflicts", []),
                    d.get("search"), d.get("buffers", {}), d.get("activations", {}), d.get("grads", {}),
-                   d.get("module_inputs", {}), d.get("shapes", {}), d.get("input_args", []), d.get("optimizer"),
-                   d.get("program_hash"))
+                   d.get("module_inputs", {}), d.get("param_reads", {}), d.get("shapes", {}), d.get("input_args", []),
+                   d.get("optimizer"), d.get("program_hash"))
 
     def save(self, path: str | os.PathLike) -> None:
         """The plan as JSON (`ShardingPlan.load` reads it back)."""

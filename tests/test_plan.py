@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from partir_torch import capture, models
 from partir_torch.cli import main, parse_mesh
@@ -112,3 +113,39 @@ def test_a_plan_that_does_not_fit_says_every_mismatch(tmp_path):
         ShardingPlan.load(tmp_path / "bad.json")
     with pytest.raises(PartirError, match=r"cannot read a plan from"):
         ShardingPlan.load(tmp_path / "missing.json")
+
+
+class _Tied(torch.nn.Module):
+    """Not a zoo model: two linears in a row and an output head tied to the embedding."""
+
+    def __init__(self, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.a, self.b = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+        self.out = torch.nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.out(self.b(torch.relu(self.a(self.emb(t)))))
+
+
+def test_parameters_an_fsdp_plan_gathers_for_use_are_read_as_gathered_except_tied_ones():
+    """`param_reads`: FSDP stores weights tiled over the axis and gathers them for the forward, which the
+    backward reuses; a backend hands each module its weight gathered. A tied weight (two modules) is left to
+    the engine."""
+    from partir_torch.search.api import search
+
+    model = _Tied()
+    batch = (torch.randint(0, 32, (8, 4)), torch.randint(0, 32, (8, 4)))
+
+    def loss(m, t, y):
+        return torch.nn.functional.cross_entropy(m(t).flatten(0, 1), y.flatten())
+
+    plan = search(model, batch, {"batch": 2, "model": 4}, loss_fn=loss, optimizer="adamw",
+                  schedule="batch:BatchParallel;model:FSDP")
+    stored_tiled = {n for n, s in plan.params.items() if any(s)}
+    assert {"a.weight", "b.weight"} <= stored_tiled
+    assert {"a.weight", "b.weight"} <= set(plan.param_reads)
+    assert all(not any(plan.param_reads[n]) for n in ("a.weight", "b.weight"))  # gathered whole
+    assert "emb.weight" not in plan.param_reads and "out.weight" not in plan.param_reads
+    assert ShardingPlan.from_json(json.loads(json.dumps(plan.to_json()))).param_reads == plan.param_reads

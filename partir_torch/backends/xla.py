@@ -246,7 +246,10 @@ class _Constrain(torch.autograd.Function):
         _, xs, _ = _xla()
         ctx.mesh, ctx.grad_spec = mesh, grad_spec
         out = t.clone()
-        xs.mark_sharding(out, mesh, spec)
+        if sharding_of(t):  # a sharded parameter's data keeps its sharding: annotate the use instead
+            xs.annotate_custom_sharding(out, mesh, spec)
+        else:
+            xs.mark_sharding(out, mesh, spec)
         return out
 
     @staticmethod
@@ -260,6 +263,25 @@ class _Constrain(torch.autograd.Function):
 
 def constrain(t: torch.Tensor, mesh, spec: tuple, grad_spec: tuple | None) -> torch.Tensor:
     return _Constrain.apply(t, mesh, spec, grad_spec)
+
+
+class _ReadAs:
+    """Hands a module its parameter `attr` constrained to the sharding its forward reads it in, for the
+    duration of its forward: the engine then reshards the parameter once, and the backward reuses the
+    resharded tensor autograd saved (the parameter object and `state_dict` are untouched)."""
+
+    def __init__(self, attr: str, mesh, spec: tuple) -> None:
+        self.attr, self.mesh, self.spec = attr, mesh, spec
+        self.saved: list[torch.Tensor] = []
+
+    def enter(self, mod: nn.Module, args: Any) -> None:
+        p = mod._parameters[self.attr]
+        self.saved.append(p)
+        mod._parameters[self.attr] = constrain(p, self.mesh, self.spec, None)
+
+    def leave(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if self.saved:
+            mod._parameters[self.attr] = self.saved.pop()
 
 
 # -- applying a plan to a module ------------------------------------------------------------------------------
@@ -407,6 +429,14 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
         rec.handles.append(model.get_submodule(path).register_forward_pre_hook(
             read_as(_spec(spec, len(spec)), _spec(grad, len(grad)) if grad is not None else None,
                     in_shapes.get(path)), with_kwargs=True))
+
+    for name, spec in plan.param_reads.items():  # parameters gathered once, as their module reads them
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner)
+        if isinstance(mod._parameters.get(attr), nn.Parameter):
+            swap = _ReadAs(attr, mesh, _spec(spec, len(spec)))
+            rec.handles += [mod.register_forward_pre_hook(swap.enter),
+                            mod.register_forward_hook(swap.leave, always_call=True)]
 
     def grad_to(spec: tuple):
         def hook(g):

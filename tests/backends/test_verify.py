@@ -74,7 +74,7 @@ def test_cli_verify_reports_predicted_measured_and_what_the_plan_did_not_predict
     assert "parameters in the plan but not in the model" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-unet"])
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-unet", "tiny-llama"])
 def test_searched_plans_compile_to_the_predicted_collectives(name):
     """Plans the search makes under a tight memory limit put the batch and weights on the same axis, so
     most ops meet conflicting layouts: XLA must reshard where the plan does (module inputs constrained as
