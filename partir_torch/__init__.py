@@ -27,7 +27,9 @@ _FACADE = {
     "ShardingPlan": "partir_torch.plan",
     "search": "partir_torch.search.api",
 }
-__all__ = sorted(_FACADE)
+__all__ = ["CaptureError", "Group", "InputShapeError", "Op", "PartirError", "Phase", "Program", "Role", "ShardingPlan",
+           "UnsupportedOptimizerError", "Value", "auto_shard", "capture", "input_sharding", "search", "shard_batch",
+           "start_runtime", "unshard", "verify"]
 
 if TYPE_CHECKING:
     from partir_torch.api import auto_shard, input_sharding, shard_batch, start_runtime, unshard, verify

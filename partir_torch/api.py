@@ -54,7 +54,8 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
                loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer, schedule=None,
                hardware: str | None = None, memory: float | str | None = None, budget: str | int | None = None,
                seed: int = 0, plan: ShardingPlan | str | os.PathLike | None = None,
-               progress: bool = False, fallback: bool = False, cache: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
+               progress: bool = False, fallback: bool = False,
+               cache: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Shard `model`'s training step over `mesh` and return `(model, optimizer)` to train with.
 
     `mesh`: `{"batch": 2, "model": 4}`, `"batch=2:dcn,model=4"` or a `Mesh`. `loss_fn(model, *inputs)` is the

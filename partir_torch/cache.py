@@ -2,10 +2,14 @@
 
 Entries are JSON files under `$XDG_CACHE_HOME/partir_torch` (default `~/.cache/partir_torch`), at two levels:
 
-| level | file | key: a sha256 over | checked by |
-|---|---|---|---|
-| program | `plans/<key>.json` | the captured program's content hash (`Program.content_hash`: every value's name, shape, dtype, role, every op and its arguments, the fold), the mesh with its DCN axes, every figure of the hardware, the schedule's tactics (goal and mode included), the search options (budget, seed, algorithm, memory limit, fallback, inference mode, prune, goals, fold) and `version()` | `search()`, `auto_shard`, `partir-torch plan` and `train`, after the capture |
-| request | `requests/<key>.json` | the command line's request as typed (the subcommand, MODEL — a zoo name, or a factory file's absolute path — its `--config` values, mesh, hardware, schedule, options) and `version()` | `partir-torch plan`, before torch is imported |
+- program level, `plans/<key>.json`, read by `search()` (so `auto_shard`, `partir-torch plan` and `train`)
+  after the capture. Key: a sha256 over the captured program's content hash (`Program.content_hash`: every
+  value's name, shape, dtype and role, every op and its arguments, the fold), the mesh with its DCN axes,
+  every figure of the hardware, the schedule's tactics (goal and mode included), the search options (budget,
+  seed, algorithm, memory limit, fallback, inference mode, prune, goals, fold) and `version()`.
+- request level, `requests/<key>.json`, read by `partir-torch plan` before torch is imported. Key: a sha256
+  over the command line's request as typed (the subcommand, MODEL — a zoo name, or a factory file's
+  absolute path — its `--config` values, mesh, hardware, schedule and options) and `version()`.
 
 Why two: a program key needs the capture, and the capture needs torch, whose import alone takes seconds;
 the request key is known from the command line. A request entry stores the plan, the program key it was

@@ -365,7 +365,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     import partir_torch
     from partir_torch import workload
-
     from partir_torch.ir.mesh import check_devices
 
     mesh, _ = parse_mesh(args.mesh)

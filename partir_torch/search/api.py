@@ -206,6 +206,9 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     text = schedule if isinstance(schedule, str) else ";".join(t.text() for t in tactics)
     plan, _ = plan_program(program, mesh, tactics, config, schedule=text, fallback=fallback, cache=cache,
                            options={"fold": fold, "mode": mode})
+    if plan.blocked:  # said, not hidden: the table has them too
+        warnings.warn(f"{len(plan.blocked)} dim(s) keep mesh axes from splitting the step: "
+                      + "; ".join(b["text"] for b in plan.blocked[:3]), stacklevel=2)
     if require_fit and not plan.cost["feasible"]:
         raise InfeasibleError(infeasible_message(plan, mesh))
     return plan
