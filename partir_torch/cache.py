@@ -93,7 +93,7 @@ def read(kind: str, key: str) -> dict[str, Any] | None:
     p = path(kind, key)
     try:
         text = p.read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no entry (or no cache directory)
         return None
     except (OSError, UnicodeDecodeError) as e:
         _warn(f"cannot read the plan cache entry {p} ({e}); planning without it")
