@@ -31,7 +31,8 @@ from partir_torch.errors import IllegalActionError
 from partir_torch.ir.actions import Tile
 from partir_torch.ir.program import Phase
 from partir_torch.ir.sharding import divides, tile_count
-from partir_torch.propagate import ShardingState
+from partir_torch.propagate import MOVES, ShardingState
+from partir_torch.rules.tables import CASTS
 from partir_torch.search.space import slots
 
 BUSY = 0.5  # an axis that splits this share of the step's FLOPs is busy otherwise (model parallelism): said so
@@ -99,8 +100,7 @@ def _param_blocks(state: ShardingState, axis: str) -> list[dict[str, Any]]:
         if s.kind != "param":
             continue
         v, val = s.value, p.values[s.value]
-        forward = [o for o in state.touch[v] if p.ops[o].phase is Phase.FORWARD]
-        if any(axis in axes for o in forward for axes in state.assign[o].values()):
+        if any(axis in axes for o in _work(state, v) for axes in state.assign[o].values()):
             continue  # its work is split on the axis already
         dims = [d for d in range(len(val.shape)) if divides(val.shape[d], state.mesh, (*state.shard[v].dims[d], axis))]
         if not dims:
@@ -126,6 +126,28 @@ def _param_blocks(state: ShardingState, axis: str) -> list[dict[str, Any]]:
                      f"{b['what']} of {b['shape']} has size {b['size']}, not divisible by {b.pop('by')}; "
                      f"{b.pop('fix')}")
         out.append(b)
+    return out
+
+
+def _work(state: ShardingState, v: int) -> list[int]:
+    """The ops that do parameter `v`'s work: those that read it or write its gradient, seen through the
+    transposes, reshapes and casts between (a linear reads its weight transposed, and its gradient too)."""
+    p = state.program
+    grad = p.grads.get(p.values[v].name)
+    todo, seen, out = [u for u in (v, grad) if u is not None], set(), []
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        for o in state.touch[u]:
+            r = state.rules[o]
+            if p.ops[o].phase is Phase.OPTIMIZER:
+                continue
+            if (r.name in MOVES or p.ops[o].target in CASTS) and len(r.operands) == 1 and len(r.results) == 1:
+                todo += [r.operands[0].value, r.results[0].value]
+            else:
+                out.append(o)
     return out
 
 

@@ -115,6 +115,13 @@ def test_groups_an_axis_does_not_divide_are_said_on_a_model_with_other_names():
     assert not plan.blocked, plan.blocked
 
 
+def test_an_axis_that_already_splits_a_parameters_work_is_not_reported_for_it():
+    """Batch-parallel over `rows`: every projection's work is split there, so the groups that would stop a
+    feature split over `rows` block nothing."""
+    plan, _ = _search(Grouped(), (torch.randn(8, 12), torch.randn(8, 12)), mse, "rows=2", schedule="rows:DP")
+    assert plan.inputs[0][0] == "rows" and plan.blocked == []
+
+
 def test_a_config_no_axis_divides_says_which_dims_block_which_axes():
     """Nothing divides: the search replicates everything, and says why instead of staying silent."""
     plan, warned = _search(Odd(), (torch.randn(3, 5), torch.randn(3, 3)), mse, "rows=2,cols=2")
