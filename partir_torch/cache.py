@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = 1  # of an entry; part of every key
+_UNWRITABLE: set[Path] = set()  # cache directories this process failed to write (warned once each)
 
 
 class CacheWarning(UserWarning):
@@ -123,8 +124,11 @@ def write(kind: str, key: str, data: Mapping[str, Any]) -> Path | None:
             Path(tmp).unlink(missing_ok=True)
             raise
     except OSError as e:
-        _warn(f"cannot write the plan cache in {p.parent} ({e.strerror or e}); the plan is not cached. Make "
-              f"{directory()} writable, set XDG_CACHE_HOME to a writable directory, or pass --no-cache / cache=False")
+        if directory() not in _UNWRITABLE:  # once per directory: the CLI writes two levels
+            _UNWRITABLE.add(directory())
+            _warn(f"cannot write the plan cache in {p.parent} ({e.strerror or e}); the plan is not cached. Make "
+                  f"{directory()} writable, set XDG_CACHE_HOME to a writable directory, or pass --no-cache / "
+                  "cache=False")
         return None
     return p
 

@@ -308,3 +308,15 @@ def test_a_mesh_that_does_not_span_the_given_devices_names_both_counts(tiny, cap
     assert main(["train", "tiny-mlp", "--mesh", "batch=2,model=4", "--devices", "4"]) == 2
     assert "spans 8 devices (2 x 4), but 4 devices were given" in capsys.readouterr().err
     assert _search(tiny, devices=4).params
+
+
+def test_cli_with_an_unwritable_cache_warns_once_and_prints_the_plan(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(CLI) == 0
+    assert "parameters sharded" in capsys.readouterr().out
+    cw = [str(w.message) for w in caught if issubclass(w.category, cache.CacheWarning)]
+    assert len(cw) == 1 and "cannot write the plan cache" in cw[0] and str(blocker) in cw[0]
