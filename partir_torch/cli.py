@@ -6,9 +6,12 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from partir_torch.errors import PartirError
+
+if TYPE_CHECKING:
+    from partir_torch.plan import ShardingPlan
 
 
 def _fmt_bytes(n: float) -> str:
@@ -229,8 +232,8 @@ def _request_key(args: argparse.Namespace) -> str:
     return cache.digest({"command": args.command, "model": model, "config": sorted(args.config or []), **parts})
 
 
-def _print_plan(plan, args: argparse.Namespace) -> str:
-    """What `plan` prints for a plan (without --json), as one text."""
+def _report(plan: ShardingPlan) -> str:
+    """What `plan` prints for a plan (without --json), as one text: the request-level cache replays it."""
     lines = [plan.table()]
     lines.append("at the memory peak: " + ", ".join(f"{n} ({r}) {b / 2**20:.1f} MiB"
                                                     for n, r, b in plan.cost["top_at_peak"][:5]))
@@ -300,7 +303,7 @@ def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
     options = {"fold": not args.no_fold, "mode": None}
     plan, state = plan_program(program, mesh, tactics, config, schedule=args.schedule, fallback=fallback,
                                cache=not args.no_cache, options=options, need_state=args.explain)
-    text = _print_plan(plan, args)
+    text = _report(plan)
     error = infeasible_message(plan, mesh) if plan.search and not plan.cost["feasible"] else None
     if request is not None:
         from partir_torch import cache

@@ -6,14 +6,15 @@ search (or a manual tactic) then replicates without a word. `blocked_axes(state)
 per mesh axis, from roles and the search's action space only (never names):
 
 - inputs: when no input is tiled on the axis, each input whose dim 0 (the batch, what `BatchParallel`
-  splits) the axis, times the axes already on that dim, does not divide (with the share of the step's FLOPs
-  the plan splits over the axis otherwise, when that is at least half: the axis may be busy with model
-  parallelism, or spending itself on a split over slow links);
+  splits) the axis, times the axes already on that dim, does not divide. An axis that splits at least half
+  of the step's FLOPs otherwise (busy with model parallelism, or spending itself on a split over slow links)
+  is reported only when no axis splits the batch, with that share;
 - parameters: each parameter slot of the action space (`space.slots`: groups and large ungrouped parameters)
-  whose forward ops the plan does not split on the axis: if no dim of it divides, its dims; else, for each
-  dim that divides, whether the tile would stop at a tensor dim the axis does not divide (the tile applied
-  to an unsharded state, and propagation's divisibility conflicts read back): a head count that the model
-  axis does not divide shows here, at the view that splits heads off the features;
+  not stored split on the axis, whose work (the ops that read it or write its gradient, seen through
+  transposes, reshapes and casts) the plan does not split on the axis: if no dim of it divides, its dims;
+  else, for each dim that divides, whether the tile would stop at a tensor dim the axis does not divide (the
+  tile applied to an unsharded state, and propagation's divisibility conflicts read back): a head count that
+  the model axis does not divide shows here, at the view that splits heads off the features;
 - the plan's own tiles on the axis that propagation stopped at a dim the axis does not divide (its conflicts).
 
 Only dims that do not divide are reported: an axis left idle by the search's choice is not blocked.
@@ -100,6 +101,8 @@ def _param_blocks(state: ShardingState, axis: str) -> list[dict[str, Any]]:
         if s.kind != "param":
             continue
         v, val = s.value, p.values[s.value]
+        if axis in state.shard[v].axes:
+            continue  # stored split on the axis (ZeRO-3, FSDP): a dim divides
         if any(axis in axes for o in _work(state, v) for axes in state.assign[o].values()):
             continue  # its work is split on the axis already
         dims = [d for d in range(len(val.shape)) if divides(val.shape[d], state.mesh, (*state.shard[v].dims[d], axis))]
@@ -195,10 +198,12 @@ def blocked_axes(state: ShardingState) -> list[dict[str, Any]]:
     """Every dim that keeps a mesh axis from splitting the plan's work, with what would unblock it (`text`)."""
     share = split_flops(state)
     out: list[dict[str, Any]] = []
+    inputs = [state.shard[v] for v in state.program.inputs if state.program.values[v].shape]
+    data_parallel = any(sh.dims[0] for sh in inputs)  # some axis splits the batch
     for axis in state.mesh.names:
-        if not any(axis in state.shard[v].axes for v in state.program.inputs):
+        if not any(axis in sh.axes for sh in inputs) and (share[axis] < BUSY or not data_parallel):
             for b in _input_blocks(state, axis):
-                if share[axis] >= BUSY:  # said all the same, with what the axis does instead
+                if share[axis] >= BUSY:  # said all the same when nothing splits the batch, with what the axis does
                     b["text"] += f" (the plan splits {share[axis]:.0%} of the step's FLOPs over {axis!r} otherwise)"
                 out.append(b)
         out += _param_blocks(state, axis)

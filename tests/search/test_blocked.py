@@ -147,3 +147,26 @@ def test_a_good_configuration_reports_nothing(mesh):
     model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
     plan, warned = _search(model, inputs, loss_fn, mesh)
     assert plan.blocked == [] and not [w for w in warned if "keep mesh axes" in w]
+
+
+def test_a_busy_axis_is_not_blamed_on_the_batch_when_another_axis_splits_it():
+    """Batch 4 on batch=2 x model=4 under DP and Megatron: the batch is split, `model` does model parallelism."""
+    model, inputs, loss_fn = models.build("tiny-gpt2", {"batch": "4"}, device="meta")
+    plan, _ = _search(model, inputs, loss_fn, "batch=2,model=4", schedule="batch:BatchParallel;model:Megatron")
+    assert plan.inputs[0][0] == "batch" and plan.blocked == [], plan.blocked
+
+
+def test_a_busy_axis_is_said_when_nothing_splits_the_batch():
+    model, inputs, loss_fn = models.build("tiny-gpt2", {"batch": "2"}, device="meta")
+    plan, _ = _search(model, inputs, loss_fn, "batch=4,model=4", schedule="model:Megatron")
+    b = next(b for b in plan.blocked if b["axis"] == "model" and b["what"].startswith("dim 0 of input"))
+    assert "not divisible by model=4" in b["text"] and "of the step's FLOPs over 'model' otherwise" in b["text"]
+
+
+def test_parameters_stored_split_on_the_axis_are_not_reported():
+    """ZeRO-3 on `rows` stores every parameter split there (the norm's work is not split: the batch of 3
+    blocks it, and its 6 features do not divide by rows x rows): only the batch is said."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 4))
+    plan, _ = _search(model, (torch.randn(3, 4), torch.randn(3, 4)), mse, "rows=2", schedule="rows:ZeRO(3)")
+    assert all("rows" in json for json in map(str, plan.params.values()))
+    assert [b["what"] for b in plan.blocked] == ["dim 0 of inputs 0 [3, 4], 1 [3, 4]"], plan.blocked
