@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from partir_torch.errors import PartirError
+
+if TYPE_CHECKING:
+    from partir_torch.plan import ShardingPlan
 
 
 def _fmt_bytes(n: float) -> str:
@@ -214,16 +218,79 @@ def parse_mesh(text: str):
     return parse(text)
 
 
+def _request_key(args: argparse.Namespace) -> str:
+    """The request-level key of the plan cache (`partir_torch/cache.py`): the command line as typed, with a
+    factory file's path made absolute; everything that decides the plan, nothing that only formats it."""
+    from partir_torch import cache
+
+    model = args.model
+    if ":" in model and model.rsplit(":", 1)[0].endswith(".py"):
+        path, factory = model.rsplit(":", 1)
+        model = f"{os.path.abspath(path)}:{factory}"
+    parts = {k: getattr(args, k) for k in ("mesh", "hardware", "memory", "schedule", "seed", "budget", "algorithm",
+                                            "no_fold", "fallback", "optimizer", "assume_compiling", "devices")}
+    return cache.digest({"command": args.command, "model": model, "config": sorted(args.config or []), **parts})
+
+
+def _report(plan: ShardingPlan) -> str:
+    """What `plan` prints for a plan (without --json), as one text: the request-level cache replays it."""
+    lines = [plan.table()]
+    lines.append("at the memory peak: " + ", ".join(f"{n} ({r}) {b / 2**20:.1f} MiB"
+                                                    for n, r, b in plan.cost["top_at_peak"][:5]))
+    if plan.search:
+        s = plan.search
+        lines.append(f"search: {s['algorithm']}, {s['episodes']} episodes, {s['evaluations']} evaluations in "
+                     f"{s['time_s']:.1f} s ({s['evaluations_per_s']:.0f}/s; propagation "
+                     f"{s['propagation_time_s']:.1f} s, cost {s['cost_time_s']:.1f} s)")
+        for e in s["per_axis"]:
+            if e.get("chosen", True):
+                mode = f", {e['mode']} search" if "mode" in e else ""
+                lines.append(f"  {','.join(e['axes'])} ({e['goal']}{mode}): " + ("; ".join(e["actions"]) or "nothing"))
+    return "\n".join(lines)
+
+
+def _emit_plan(plan: dict[str, Any], text: str, args: argparse.Namespace) -> None:
+    if args.out:
+        saved = {k: v for k, v in plan.items() if k != "cache"}
+        with open(args.out, "w") as f:
+            json.dump(saved, f, indent=1)
+    if args.json:
+        json.dump(plan, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(text)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    request = None
+    if not args.no_cache and not args.explain:  # --explain needs the state: it plans
+        from partir_torch import cache
+
+        request = _request_key(args)
+        hit = cache.lookup_request(request)
+        if hit is not None:  # the cached repeat: no torch, no capture, no search
+            where = cache.path("requests", request)
+            note = (f"plan from the cache (request key {request}, {where}; program key {hit['plan_key']}); "
+                    "--no-cache plans again")
+            _emit_plan({**hit["plan"], "cache": {"level": "request", "key": request, "file": str(where)}},
+                       f"{hit['text']}\n{note}", args)
+            if hit.get("error"):
+                raise PartirError(hit["error"])
+            return 0
+    return _plan_and_store(args, request)
+
+
+def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
     from partir_torch import workload
     from partir_torch.capture import capture
-    from partir_torch.cost import evaluate, hardware
-    from partir_torch.plan import ShardingPlan
+    from partir_torch.cost import hardware
+    from partir_torch.ir.mesh import check_devices
     from partir_torch.search import Budget, SearchConfig
-    from partir_torch.search.api import InfeasibleError, infeasible_message, summarize_log
-    from partir_torch.tactics import apply_schedule, parse_schedule, wants_fallback
+    from partir_torch.search.api import InfeasibleError, infeasible_message, plan_key, plan_program
+    from partir_torch.tactics import parse_schedule, wants_fallback
 
     mesh, dcn = parse_mesh(args.mesh)
+    check_devices(mesh, args.devices)
     hw = hardware(args.hardware)
     tactics = parse_schedule(args.schedule, mesh)  # a bad schedule is reported before the capture
     limit = _parse_bytes(args.memory) if args.memory else None
@@ -233,35 +300,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     fallback = args.fallback or wants_fallback(args.schedule)
     program = capture(model, inputs, loss_fn, args.optimizer, fold=not args.no_fold,
                       assume_compiling=args.assume_compiling, fallback=fallback)
-    state = apply_schedule(program, mesh, tactics, search=config, fallback=fallback)
-    report = evaluate(state, hw, dcn_axes=dcn, memory_limit=limit)
-    plan = ShardingPlan.from_state(state, report, schedule=args.schedule, hardware=hw.name, dcn_axes=dcn,
-                                   search=summarize_log(config.log))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(plan.to_json(), f, indent=1)
-    if args.json:
-        json.dump(plan.to_json(), sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        print(plan.table())
-        print("at the memory peak: " + ", ".join(f"{n} ({r}) {b / 2**20:.1f} MiB"
-                                                 for n, r, b in report.top_at_peak[:5]))
-        if plan.search:
-            s = plan.search
-            print(f"search: {s['algorithm']}, {s['episodes']} episodes, {s['evaluations']} evaluations in "
-                  f"{s['time_s']:.1f} s ({s['evaluations_per_s']:.0f}/s; propagation {s['propagation_time_s']:.1f} s, "
-                  f"cost {s['cost_time_s']:.1f} s)")
-            for e in s["per_axis"]:
-                if e.get("chosen", True):
-                    mode = f", {e['mode']} search" if "mode" in e else ""
-                    print(f"  {','.join(e['axes'])} ({e['goal']}{mode}): " + ("; ".join(e["actions"]) or "nothing"))
-        if args.explain:
-            from partir_torch.explain import explain
+    options = {"fold": not args.no_fold, "mode": None}
+    plan, state = plan_program(program, mesh, tactics, config, schedule=args.schedule, fallback=fallback,
+                               cache=not args.no_cache, options=options, need_state=args.explain)
+    text = _report(plan)
+    error = infeasible_message(plan, mesh) if plan.search and not plan.cost["feasible"] else None
+    if request is not None:
+        from partir_torch import cache
 
-            print(explain(state, report, hw, dcn_axes=dcn).table())
-    if config.log and not report.feasible:
-        raise InfeasibleError(infeasible_message(plan, mesh))
+        stored = {k: v for k, v in plan.to_json().items() if k != "cache"}
+        key = plan_key(program, mesh, tactics, config, fallback=fallback, options=options)
+        cache.store_request(request, {"plan": stored, "text": text, "plan_key": key, "error": error})
+    _emit_plan(plan.to_json(), text, args)
+    if args.explain and not args.json:
+        from partir_torch.cost import evaluate
+        from partir_torch.explain import explain
+
+        print(explain(state, evaluate(state, hw, dcn_axes=dcn, memory_limit=limit), hw, dcn_axes=dcn).table())
+    if error:
+        raise InfeasibleError(error)
     return 0
 
 
@@ -311,8 +368,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     import partir_torch
     from partir_torch import workload
+    from partir_torch.ir.mesh import check_devices
 
     mesh, _ = parse_mesh(args.mesh)
+    check_devices(mesh, args.devices)
     partir_torch.start_runtime(args.mesh)  # before any backward of this process (see api.start_runtime)
     torch.manual_seed(args.seed)
     overrides = workload.parse_overrides(args.config)
@@ -326,7 +385,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     model, opt = partir_torch.auto_shard(model, inputs, args.mesh, loss_fn=loss_fn, optimizer=optimizer,
                                          schedule=args.schedule, hardware=args.hardware, memory=args.memory,
                                          budget=args.budget, seed=args.seed, plan=args.plan,
-                                         progress=sys.stderr.isatty())
+                                         progress=sys.stderr.isatty(), cache=not args.no_cache)
     plan = model.partir_plan
     print(plan.table())
     if plan.search:
@@ -409,7 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="write the plan JSON here")
     pl.add_argument("--json", action="store_true", help="print the plan JSON")
     pl.add_argument("--explain", action="store_true",
-                    help="also attribute the communication to its causes and show the memory peak's largest values")
+                    help="also attribute the communication to its causes and show the memory peak's largest values "
+                         "(plans even when the plan cache holds the plan)")
     pl.set_defaults(fn=cmd_plan)
 
     df = sub.add_parser("diff", help="compare two saved plans (plan --out): cost side by side, changed specs")
@@ -447,6 +507,10 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--json", action="store_true")
     vf.set_defaults(fn=cmd_verify)
 
+    for sp in (pl, tr):
+        sp.add_argument("--no-cache", action="store_true",
+                        help="bypass the plan cache ($XDG_CACHE_HOME/partir_torch): search, and store nothing")
+        sp.add_argument("--devices", type=int, help="the device count the mesh must span (checked before capture)")
     for sp in (c, cv, sm, pl):
         sp.add_argument("--assume-compiling", action="store_true",
                         help="capture with torch.compiler.is_compiling() true, so libraries skip data-dependent "

@@ -317,6 +317,9 @@ class ShardingPlan:
     input_args: list[int | str | None] = field(default_factory=list)  # forward argument of each input
     optimizer: str | None = None
     program_hash: str | None = None
+    # dims that keep a mesh axis from being used (`search.blocked`): {"axis", "what", "size", "divisor", "text"}
+    blocked: list[dict[str, Any]] = field(default_factory=list)
+    cache: dict[str, Any] | None = None  # set when the plan came from the plan cache: {"level", "key", "file"}
 
     @classmethod
     def from_state(cls, state: ShardingState, cost, *, schedule: str | None = None, hardware: str | None = None,
@@ -349,9 +352,11 @@ class ShardingPlan:
                "params": self.params, "buffers": self.buffers, "inputs": self.inputs, "input_args": self.input_args,
                "optimizer_state": self.optimizer_state, "activations": self.activations, "grads": self.grads,
                "module_inputs": self.module_inputs, "param_reads": self.param_reads, "shapes": self.shapes,
-               "cost": self.cost, "conflicts": self.conflicts}
+               "cost": self.cost, "conflicts": self.conflicts, "blocked": self.blocked}
         if self.search is not None:
             out["search"] = self.search
+        if self.cache is not None:
+            out["cache"] = self.cache
         return out
 
     @classmethod
@@ -364,7 +369,7 @@ class ShardingPlan:
                    d.get("schedule"), d.get("hardware"), list(d["mesh"].get("dcn", [])), d.get("conflicts", []),
                    d.get("search"), d.get("buffers", {}), d.get("activations", {}), d.get("grads", {}),
                    d.get("module_inputs", {}), d.get("param_reads", {}), d.get("shapes", {}), d.get("input_args", []),
-                   d.get("optimizer"), d.get("program_hash"))
+                   d.get("optimizer"), d.get("program_hash"), d.get("blocked", []), d.get("cache"))
 
     def save(self, path: str | os.PathLike) -> None:
         """The plan as JSON (`ShardingPlan.load` reads it back)."""
@@ -488,4 +493,8 @@ class ShardingPlan:
                      f"({'fits' if c['feasible'] else 'DOES NOT FIT'} in {format_bytes(c['memory_limit'])})")
         comm = ", ".join(f"{k} {format_bytes(v)}" for k, v in c["comm_bytes"].items())
         lines.append("communication per device: " + (comm or "none"))
+        lines += [f"blocked: {b['text']}" for b in self.blocked]
+        if self.cache is not None:
+            lines.append(f"plan from the cache ({self.cache['level']} key {self.cache['key']}, {self.cache['file']}); "
+                         "--no-cache (cache=False) plans again")
         return "\n".join(lines)

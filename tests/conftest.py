@@ -39,6 +39,13 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> to
     return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
 
 
+@pytest.fixture(autouse=True)
+def _plan_cache(tmp_path_factory, monkeypatch):
+    """The plan cache is on by default: each test gets an empty one of its own (never the user's ~/.cache, and
+    no test is served a plan another test searched)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
 @pytest.fixture
 def tiny():
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "partir_torch"
 
 # lowest first; a unit may import units of its own layer or of a lower one (docs/architecture.md)
 LAYERS: list[set[str]] = [
-    {"errors", "ir", "models"},  # the IR every stage reads; the model zoo (torch only)
+    {"errors", "ir", "models", "cache"},  # the IR every stage reads; the model zoo (torch only); the plan cache
     {"capture", "workload"},
     {"rules"},
     {"analysis", "propagate"},

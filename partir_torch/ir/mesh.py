@@ -86,3 +86,13 @@ def parse_mesh(spec: Mesh | Mapping[str, int] | str) -> tuple[Mesh, frozenset[st
             dcn.add(name.split("=")[0].strip())
         parts.append(name)
     return Mesh.parse(",".join(parts)), frozenset(dcn)
+
+
+def check_devices(mesh: Mesh, devices: int | None) -> None:
+    """A mesh must span exactly the devices it is planned for (`--devices N`, `search(devices=N)`)."""
+    if devices is None or mesh.devices == devices:
+        return
+    sizes = " x ".join(str(s) for _, s in mesh.axes)
+    raise MeshError(f"mesh {mesh} spans {mesh.devices} devices ({sizes}), but {devices} devices were given; "
+                    f"make the product of the axis sizes {devices} (e.g. change one axis), or give --devices "
+                    f"{mesh.devices}")

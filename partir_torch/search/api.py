@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, replace
+import warnings
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
 
 from partir_torch.cost.hardware import Hardware, format_bytes, parse_bytes
@@ -174,7 +175,8 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
            hardware: str | Hardware = "cpu-virtual", memory: float | str | None = None, dcn_axes=(), seed: int = 0,
            budget: str | int | Budget | None = None, goal: str = "time", algorithm: str = "mcts",
            fold: bool = True, progress: bool = False, require_fit: bool = True, prune: bool = True,
-           goals: bool = True, fallback: bool = False, mode: str | None = None):
+           goals: bool = True, fallback: bool = False, mode: str | None = None, cache: bool = True,
+           devices: int | None = None):
     """Find a sharding plan for one training step of `model` on `mesh` (`{"batch": 2, "model": 4}`,
     `"batch=2,model=4"` or a `Mesh`) and return it as a `ShardingPlan` (specs, cost report, statistics).
 
@@ -186,11 +188,13 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     `fallback=True` (or a `fallback` entry in the schedule text) runs ops without a tile-mapping rule
     replicated, with one warning per op naming it, its module and the communication it adds.
     `mode="inference"` plans the forward pass only (`loss_fn` unused); without it a missing `loss_fn` is an error.
+    `cache=False` searches even when the plan cache (`partir_torch/cache.py`) holds a plan for this program and
+    setting. `devices`: the device count the mesh must have (checked before the capture).
     """
     from partir_torch.capture import capture
-    from partir_torch.ir.mesh import parse_mesh
-    from partir_torch.plan import ShardingPlan
+    from partir_torch.ir.mesh import check_devices, parse_mesh
     mesh, marked = parse_mesh(mesh)
+    check_devices(mesh, devices)
     dcn_axes = frozenset(dcn_axes) | marked
     hw = get_hardware(hardware)
     memory = parse_bytes(memory)
@@ -199,17 +203,60 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
                           prune=prune, goals=goals)
     fallback = fallback or wants_fallback(schedule)
     program = capture(model, example_inputs, loss_fn, optimizer, fold=fold, mode=mode, fallback=fallback)
-    state = apply_schedule(program, mesh, tactics, search=config, fallback=fallback)
-    from partir_torch.cost.model import evaluate
-
-    report = evaluate(state, hw, dcn_axes=config.dcn_axes, memory_limit=memory)
-    stats = summarize_log(config.log)
     text = schedule if isinstance(schedule, str) else ";".join(t.text() for t in tactics)
-    plan = ShardingPlan.from_state(state, report, schedule=text, hardware=hw.name, dcn_axes=config.dcn_axes,
-                                   search=stats)
-    if require_fit and not report.feasible:
+    plan, _ = plan_program(program, mesh, tactics, config, schedule=text, fallback=fallback, cache=cache,
+                           options={"fold": fold, "mode": mode})
+    if plan.blocked:  # said, not hidden: the table has them too
+        warnings.warn(f"{len(plan.blocked)} dim(s) keep mesh axes from splitting the step: "
+                      + "; ".join(b["text"] for b in plan.blocked[:3]), stacklevel=2)
+    if require_fit and not plan.cost["feasible"]:
         raise InfeasibleError(infeasible_message(plan, mesh))
     return plan
+
+
+def plan_key(program, mesh, tactics: list, config: SearchConfig, *, fallback: bool, options: dict[str, Any]) -> str:
+    """The program-level key of the plan cache (`partir_torch/cache.py`): the program's content hash, the
+    mesh and its DCN axes, every figure of the hardware, the tactics, the search options."""
+    from partir_torch import cache
+
+    return cache.digest({"program": program.content_hash(), "mesh": list(mesh.axes),
+                         "dcn": sorted(config.dcn_axes), "hardware": asdict(config.hw),
+                         "tactics": [repr(t) for t in tactics], "memory_limit": config.memory_limit,
+                         "seed": config.seed, "budget": repr(config.budget), "algorithm": config.algorithm,
+                         "prune": config.prune, "goals": config.goals, "fallback": fallback, **options})
+
+
+def plan_program(program, mesh, tactics: list, config: SearchConfig, *, schedule: str | None, fallback: bool,
+                 cache: bool = True, options: dict[str, Any] | None = None, need_state: bool = False):
+    """(plan, state) of a captured program: the plan cache's plan for this program and setting when it holds
+    one (state None), else the schedule applied (searching its `Auto` tactics) and the plan stored.
+    `need_state`: always plan (the caller needs the state), and store the plan."""
+    from partir_torch import cache as plan_cache
+    from partir_torch.cost.model import evaluate
+    from partir_torch.plan import ShardingPlan
+    from partir_torch.search.blocked import blocked_axes
+
+    key = plan_key(program, mesh, tactics, config, fallback=fallback, options=options or {}) if cache else None
+    if key is not None and not need_state:
+        hit = plan_cache.read("plans", key)
+        if hit is not None:
+            try:
+                plan = ShardingPlan.from_json(hit["plan"])
+            except (KeyError, TypeError, ValueError, PartirError) as e:
+                warnings.warn(f"ignoring the corrupt plan cache entry {plan_cache.path('plans', key)} ({e!r}); "
+                              "planning again", plan_cache.CacheWarning, stacklevel=3)
+            else:
+                plan.cache = {"level": "program", "key": key, "file": str(plan_cache.path("plans", key))}
+                log.info("partir_torch: plan from the cache (%s)", plan.cache["file"])
+                return plan, None
+    state = apply_schedule(program, mesh, tactics, search=config, fallback=fallback)
+    report = evaluate(state, config.hw, dcn_axes=config.dcn_axes, memory_limit=config.memory_limit)
+    plan = ShardingPlan.from_state(state, report, schedule=schedule, hardware=config.hw.name,
+                                   dcn_axes=config.dcn_axes, search=summarize_log(config.log))
+    plan.blocked = blocked_axes(state)
+    if key is not None:
+        plan_cache.write("plans", key, {"plan": plan.to_json()})
+    return plan, state
 
 
 def summarize_log(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
