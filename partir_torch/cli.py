@@ -465,16 +465,28 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+# commands that start no runtime or worker: as a program (`main()` without arguments) they end the process
+# without its teardown, which frees the search's millions of objects one by one (over a second for a 70B plan)
+_FAST_EXIT = frozenset({"plan", "capture", "coverage", "models", "diff"})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        rc = args.fn(args)
     except PartirError as e:
         print(f"partir-torch: error: {e}", file=sys.stderr)
-        return 2
+        rc = 2
     except KeyboardInterrupt:  # outside a search (a search returns its best plan so far)
         print("partir-torch: interrupted", file=sys.stderr)
         return 130
+    if argv is None and args.command in _FAST_EXIT:
+        import os
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 if __name__ == "__main__":
