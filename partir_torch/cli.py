@@ -216,9 +216,12 @@ def parse_mesh(text: str):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from partir_torch import workload
+    from partir_torch.analysis import Analysis
     from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
+    from partir_torch.errors import CaptureError
     from partir_torch.plan import ShardingPlan
+    from partir_torch.rules.base import MissingRuleError
     from partir_torch.search import Budget, SearchConfig
     from partir_torch.search.api import InfeasibleError, infeasible_message, summarize_log
     from partir_torch.tactics import apply_schedule, parse_schedule, wants_fallback
@@ -231,8 +234,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           progress=not args.json and sys.stderr.isatty())
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
     fallback = args.fallback or wants_fallback(args.schedule)
-    program = capture(model, inputs, loss_fn, args.optimizer, fold=not args.no_fold,
-                      assume_compiling=args.assume_compiling, fallback=fallback)
+
+    def captured(sources: bool):
+        program = capture(model, inputs, loss_fn, args.optimizer, fold=not args.no_fold,
+                          assume_compiling=args.assume_compiling, fallback=fallback, sources=sources)
+        Analysis.of(program, mesh, fallback=fallback)  # every op's rule, before the search
+        return program
+
+    try:  # without source lines (faster), unless fallback's warnings name them
+        program = captured(sources=fallback)
+    except (CaptureError, MissingRuleError):
+        if fallback:
+            raise
+        program = captured(sources=True)  # the same error, naming the line of the user's code
     state = apply_schedule(program, mesh, tactics, search=config, fallback=fallback)
     report = evaluate(state, hw, dcn_axes=dcn, memory_limit=limit)
     plan = ShardingPlan.from_state(state, report, schedule=args.schedule, hardware=hw.name, dcn_axes=dcn,
