@@ -38,17 +38,17 @@ RESULTS = ROOT / "benchmarks" / "results"
 # group, 126 layers of saved activations: the model has no activation recomputation, which 405B training uses),
 # so its memory limit is lifted (`MEMORY`) and it is a planning-time and step-time scenario only
 SCENARIOS = {
-    "L70": ("llama2-70b", {}, "tpu-v5p", "data=16:dcn,fsdp=16,model=8", "8s", 10.0,
+    "L70": ("llama2-70b", {}, "tpu-v5p", "data=16:dcn,fsdp=16,model=8", "6s", 10.0,
             "Llama-2-70B, tpu-v5p x 2048 {data:16 DCN, fsdp:16, model:8}"),
-    "L70-8k": ("llama2-70b", {"batch": "1024"}, "tpu-v5p", "pod=4:dcn,data=16:dcn,fsdp=16,model=8", "17s", 20.0,
+    "L70-8k": ("llama2-70b", {"batch": "1024"}, "tpu-v5p", "pod=4:dcn,data=16:dcn,fsdp=16,model=8", "15s", 20.0,
                "Llama-2-70B, tpu-v5p x 8192 {pod:4 DCN, data:16 DCN, fsdp:16, model:8}"),
-    "L8": ("llama3-8b", {}, "h100-sxm", "data=8:dcn,model=8", "3s", 5.0,
+    "L8": ("llama3-8b", {}, "h100-sxm", "data=8:dcn,model=8", "1.5s", 5.0,
            "Llama-3-8B, h100-sxm x 64 {data:8 IB, model:8}"),
     "L405": ("llama3-405b", {}, "tpu-v5p", "pod=4:dcn,data=8:dcn,fsdp=16,model=16", "17s", None,
              "Llama-3-405B, tpu-v5p x 8192 {pod:4 DCN, data:8 DCN, fsdp:16, model:16}, memory not limited"),
-    "G2-h100": ("gpt2-small", {"batch": "16", "seq": "128"}, "h100-sxm", "batch=2,model=4", "1s", 3.0,
+    "G2-h100": ("gpt2-small", {"batch": "16", "seq": "128"}, "h100-sxm", "batch=2,model=4", "0.5s", 3.0,
                 "GPT-2 small b16 x s128, h100-sxm x 8 {batch:2, model:4}"),
-    "G2-v5e": ("gpt2-small", {"batch": "16", "seq": "128"}, "tpu-v5e", "batch=2,model=4", "1s", 3.0,
+    "G2-v5e": ("gpt2-small", {"batch": "16", "seq": "128"}, "tpu-v5e", "batch=2,model=4", "0.5s", 3.0,
                "GPT-2 small b16 x s128, tpu-v5e x 8 {batch:2, model:4}"),
 }
 ANYTIME = ("L70", "L70-8k", "L8", "L405")
@@ -201,13 +201,14 @@ print(json.dumps({"torch_import_s": t_torch - t0, "imports_s": t_imp - t_torch, 
 def depth(repeat: int) -> dict:
     """Each part of the plan command per GPT depth, fresh processes, the minimum of `repeat` runs per part."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = {}
-    for n in DEPTHS:
-        runs = []
-        for _ in range(repeat):
+    out, runs_of = {}, {n: [] for n in DEPTHS}
+    for _ in range(repeat):  # depths interleaved, so that a busy spell of the machine hits them alike
+        for n in DEPTHS:
             got = subprocess.run([sys.executable, "-c", PHASES, str(n), "batch=2,model=4", "tpu-v5e",
                                   DEPTH_EPISODES], capture_output=True, text=True, env=env, check=True)
-            runs.append(json.loads(got.stdout.strip().splitlines()[-1]))
+            runs_of[n].append(json.loads(got.stdout.strip().splitlines()[-1]))
+    for n in DEPTHS:
+        runs = runs_of[n]
         best = {k: min(r[k] for r in runs) for k in runs[0] if k.endswith("_s")}
         out[str(n)] = {**best, "ops": runs[0]["ops"], "episodes": runs[0]["episodes"],
                        "step_time_s": runs[0]["step_time_s"]}
@@ -259,7 +260,7 @@ def main() -> None:
     ap.add_argument("--times", default="5,10,20,30,60")
     ap.add_argument("--anytime", default=",".join(ANYTIME), help="scenarios of the anytime curves")
     ap.add_argument("--cli-repeat", type=int, default=1)
-    ap.add_argument("--depth-repeat", type=int, default=2)
+    ap.add_argument("--depth-repeat", type=int, default=3)
     ap.add_argument("--skip-anytime", action="store_true")
     ap.add_argument("--skip-depth", action="store_true")
     ap.add_argument("--skip-cli", action="store_true")
