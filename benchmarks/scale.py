@@ -231,10 +231,11 @@ def plot(res: dict, path: Path) -> None:
         a.plot(ts, med, marker="o", label=f"{name}: {SCENARIOS[name][6]}")
         a.fill_between(ts, lo, hi, alpha=0.2)
     a.axhline(1.0, color="k", lw=0.8, ls="--")
+    a.set_ylim(0.4, 1.5)
     a.set_xlabel("search budget (s)")
     a.set_ylabel("step time / best expert composite (median of seeds)")
-    a.set_title("anytime quality")
-    a.legend(fontsize=7)
+    a.set_title("anytime quality (band: range of seeds; a plan that does not fit: off the top)")
+    a.legend(fontsize=7, loc="upper right")
     d = res.get("depth", {})
     if d:
         layers = [int(n) for n in d]
@@ -243,7 +244,8 @@ def plot(res: dict, path: Path) -> None:
         bottom = [0.0] * len(layers)
         for p in parts:
             vals = [d[str(n)][p] for n in layers]
-            b.bar([str(n) for n in layers], vals, bottom=bottom, label=p[:-2])
+            label = "build (with torch._dynamo's import)" if p == "build_s" else p[:-2]
+            b.bar([str(n) for n in layers], vals, bottom=bottom, label=label)
             bottom = [x + y for x, y in zip(bottom, vals)]
         b.set_xlabel("GPT layers (width 768, b16 x s128, {batch:2, model:4}, 300 episodes)")
         b.set_ylabel("wall time (s)")
@@ -264,10 +266,15 @@ def main() -> None:
     ap.add_argument("--skip-anytime", action="store_true")
     ap.add_argument("--skip-depth", action="store_true")
     ap.add_argument("--skip-cli", action="store_true")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG and the table from the JSON")
     ap.add_argument("--out", default=str(RESULTS / "scale.json"))
     args = ap.parse_args()
     out_path = Path(args.out)
     res = json.loads(out_path.read_text()) if out_path.exists() else {}
+    if args.plot_only:
+        plot(res, out_path.with_suffix(".png"))
+        print_table(res)
+        return
     names = [s for s in args.only.split(",") if s] or list(SCENARIOS)
     if not args.skip_cli:
         res.setdefault("cli", {})
