@@ -34,6 +34,8 @@ class Analysis:
     peers: dict[int, list[int]] = field(init=False, repr=False)  # value -> the same value of every repeat
     templates: dict[str, list[int]] = field(init=False, repr=False)  # group template name -> its values
     layouts: list[Any] = field(init=False, repr=False)  # per op, (tensors, factor carriers), built when read
+    # propagate.py: (op, factor, axes) -> the first value carrying the factor whose dim the axes do not divide
+    blockers: dict = field(default_factory=dict, repr=False)
     # lower.py: per-op rule signatures, the shardings an op needs by (signature, assignment, sums), reshards
     lower_sigs: list[int] | None = field(default=None, repr=False)
     lower_memo: dict = field(default_factory=dict, repr=False)

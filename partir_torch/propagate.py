@@ -28,7 +28,7 @@ from partir_torch.errors import IllegalActionError, PartirError
 from partir_torch.ir.actions import Replicate, Tile
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Program
-from partir_torch.ir.sharding import Sharding, divides, tile_count
+from partir_torch.ir.sharding import Sharding, tile_count
 from partir_torch.rules.base import OpRule
 
 
@@ -161,13 +161,12 @@ class ShardingState:
 
     # -- propagation ----------------------------------------------------------------------------------
     def _tile(self, v: int, d: int, axis: str) -> bool:
-        if axis in self.shard[v]._axes or axis in self.locked[v]:
+        if axis in self.locked[v]:
             return False
-        val = self.program.values[v]
-        try:
-            self.shard[v] = self.shard[v].tile(d, axis, value=val.name, shape=val.shape, mesh=self.mesh)
-        except IllegalActionError:
+        new = self.shard[v].try_tile(d, axis, self.program.values[v].shape[d], self.mesh)
+        if new is None:
             return False
+        self.shard[v] = new
         self.changed.add(v)
         self.record.values.add(v)
         return True
@@ -260,16 +259,27 @@ class ShardingState:
                 self._conflict(o, axis, f"factor {rule.letters[f]!r} needs replication", tuple(vals))
                 return []
             axes = (*self.assign[o].get(f, ()), axis)
-            values = self.program.values
-            for v, d in carriers.get(f, ()):
-                if not divides(values[v].shape[d], self.mesh, axes):
-                    k = tile_count(self.mesh, axes)
-                    self._conflict(o, axis, f"factor {rule.letters[f]!r} of {values[v].name} "
-                                   f"{list(values[v].shape)} does not divide by {k}", (v,))
-                    return []
+            blocker = self._blocker(o, f, axes, carriers)
+            if blocker is not None:
+                values = self.program.values
+                self._conflict(o, axis, f"factor {rule.letters[f]!r} of {values[blocker].name} "
+                               f"{list(values[blocker].shape)} does not divide by {tile_count(self.mesh, axes)}",
+                               (blocker,))
+                return []
             self.assign[o] = {**self.assign[o], f: (*self.assign[o].get(f, ()), axis)}  # copy on write (copy())
             self.record.ops.add(o)
-        changed: list[int] = [v for v, d in carriers.get(f, ()) if self._tile(v, d, axis)]
+        changed: list[int] = []
+        shard, locked, values = self.shard, self.locked, self.program.values
+        for v, d in carriers.get(f, ()):  # `_tile`, inlined: the inner loop of every search
+            sh = shard[v]
+            if axis in sh._axes or axis in locked[v]:
+                continue
+            new = sh.try_tile(d, axis, values[v].shape[d], self.mesh)
+            if new is not None:
+                shard[v] = new
+                self.changed.add(v)
+                self.record.values.add(v)
+                changed.append(v)
         for t, red in zip(rule.results, rule.reduced):
             if f in red and f not in t.dims:
                 v = t.value
@@ -280,6 +290,18 @@ class ShardingState:
                     self.record.values.add(v)
                     changed.append(v)
         return changed
+
+    def _blocker(self, o: int, f: int, axes: tuple[str, ...], carriers: dict[int, list[tuple[int, int]]]
+                 ) -> int | None:
+        """The first value carrying factor `f` of op `o` whose dim `axes` do not divide, or None; shapes only,
+        so memoized in the analysis."""
+        key = (o, f, axes)
+        memo = self.analysis.blockers
+        if key in memo:
+            return memo[key]
+        values, k = self.program.values, tile_count(self.mesh, axes)
+        memo[key] = got = next((v for v, d in carriers.get(f, ()) if values[v].shape[d] % k), None)
+        return got
 
     def _conflict(self, op: int, axis: str, why: str, values: tuple[int, ...]) -> None:
         if not any(c.op == op and c.axis == axis for c in self.conflicts[-8:]):

@@ -51,6 +51,7 @@ def capture(
     fold: bool = False,
     assume_compiling: bool = False,
     fallback: bool = False,
+    sources: bool = True,
     _strict: bool = True,
 ) -> Program:
     """Capture `loss_fn(model, *example_inputs)`, its backward and the optimizer update as a `Program`.
@@ -68,13 +69,16 @@ def capture(
     `fallback=True` (opt-in, CLI --fallback) captures a submodule whose forward has data-dependent shapes (MoE
     routing) as one opaque op, run replicated, with one warning naming it and its measured FLOPs
     (`capture/opaque.py`); without it, that is an error which suggests it.
+    `sources=False` records no stack traces, so ops carry no user source line (`Op.source`): tracing is
+    faster by torch's one-time set-up of stack filtering (half a second); the plan command captures so and
+    captures again with sources when an error should name a line.
     """
     if assume_compiling:
         with _compiling():
             return capture(model, example_inputs, loss_fn, optimizer, mode=mode, fold=fold, fallback=fallback,
-                           _strict=_strict)
+                           sources=sources, _strict=_strict)
     if fold:
-        program = _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback)
+        program = _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback, sources)
         if program is not None:
             return program
     t0 = time.perf_counter()
@@ -191,7 +195,7 @@ def capture(
                 traced = (_functionalize_autograd(step) if opaque else
                           torch.func.functionalize(step, remove="mutations"))
                 gm = make_fx(traced, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
-                             record_stack_traces=True)(*fakes)
+                             record_stack_traces=sources)(*fakes)
             break
         except Exception as e:  # translate torch's errors into ones that name what to change
             path = _opaque_candidate(e, tracker, opaque) if fallback else None
@@ -308,7 +312,8 @@ def _compiling():
 aten = torch.ops.aten
 
 
-def _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback=False) -> Program | None:
+def _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback=False, sources=True
+                    ) -> Program | None:
     """The folded capture (`capture/fold.py`), container by container: if the model with every repeated
     container cut to two cannot be captured (its forward indexes a block by number, or pops a stack of skip
     connections once per block), the containers are tried one at a time, the one holding the most
@@ -326,7 +331,8 @@ def _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback=Fa
         if new is not None and new not in rep:  # inside an element another fold already leaves out
             return None, None
         try:
-            program = capture(view, example_inputs, loss_fn, optimizer, mode=mode, fallback=fallback, _strict=False)
+            program = capture(view, example_inputs, loss_fn, optimizer, mode=mode, fallback=fallback, sources=sources,
+                              _strict=False)
         except CaptureError as e:
             return None, e
         program.fold = rep

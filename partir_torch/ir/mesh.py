@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from partir_torch.errors import MeshError
 
@@ -20,8 +20,13 @@ from partir_torch.errors import MeshError
 @dataclass(frozen=True)
 class Mesh:
     axes: tuple[tuple[str, int], ...]
+    # read in propagation's inner loop: axis -> size, and axes -> tile count, computed once / on first use
+    _sizes: dict = field(init=False, repr=False, compare=False, hash=False)
+    _tiles: dict = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_sizes", dict(self.axes))
+        object.__setattr__(self, "_tiles", {})
         seen = set()
         for name, size in self.axes:
             if not name.isidentifier():
@@ -58,10 +63,20 @@ class Mesh:
         return math.prod(s for _, s in self.axes)
 
     def size(self, axis: str) -> int:
-        for name, size in self.axes:
-            if name == axis:
-                return size
+        size = self._sizes.get(axis)
+        if size is not None:
+            return size
         raise MeshError(f"unknown mesh axis {axis!r}; this mesh has axes {list(self.names)}")
+
+    def tile_count(self, axes: tuple[str, ...]) -> int:
+        """The product of `axes`' sizes (`sharding.tile_count`), memoized per tuple of axes."""
+        k = self._tiles.get(axes)
+        if k is None:
+            k = 1
+            for a in axes:
+                k *= self.size(a)
+            self._tiles[axes] = k
+        return k
 
     def __str__(self) -> str:
         return "Mesh{" + ", ".join(f"{n}:{s}" for n, s in self.axes) + "}"

@@ -25,10 +25,7 @@ from partir_torch.ir.mesh import Mesh
 
 def tile_count(mesh: Mesh, axes: Iterable[str]) -> int:
     """How many tiles `axes` cut a dim into: the product of their sizes."""
-    k = 1
-    for a in axes:
-        k *= mesh.size(a)
-    return k
+    return mesh.tile_count(axes if isinstance(axes, tuple) else tuple(axes))
 
 
 def divides(size: int, mesh: Mesh, axes: Iterable[str]) -> bool:
@@ -52,10 +49,18 @@ class Sharding:
     chunks: tuple[tuple[int, int], ...] = ()  # ((dim, n), ...): tiled dims read as n chunks (see above)
     _axes: frozenset[str] = field(init=False, repr=False, compare=False, hash=False)
     _dim_of: dict = field(init=False, repr=False, compare=False, hash=False)
+    _hash: int = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:  # read in the propagation loop: computed once
         object.__setattr__(self, "_axes", frozenset(a for d in self.dims for a in d) | self.partial)
         object.__setattr__(self, "_dim_of", {a: i for i, d in enumerate(self.dims) for a in d})
+        object.__setattr__(self, "_hash", hash((self.dims, self.partial, self.chunks)))
+
+    def __hash__(self) -> int:  # shardings key the tiling memo and the cost tables: hashed once
+        return self._hash
+
+    def __reduce__(self) -> tuple:  # rebuilt, not copied: string hashes differ between processes
+        return (Sharding, (self.dims, self.partial, self.chunks))
 
     def dim_of(self, axis: str) -> int | None:
         """The dim `axis` tiles, or None."""
@@ -103,6 +108,14 @@ class Sharding:
                 f"({', '.join(f'{a}={mesh.size(a)}' for a in (*self.dims[dim], axis))})"
             )
         return got
+
+    def try_tile(self, dim: int, axis: str, size: int, mesh: Mesh) -> Sharding | None:
+        """`tile` for propagation's inner loop: None where an axis would be used twice or the rule of §1
+        forbids it (no error built). `dim` is non-negative, `size` the dim's size."""
+        if axis in self._axes or size % mesh.tile_count((*self.dims[dim], axis)):
+            return None
+        got = _TILED.get((self, dim, axis))
+        return got if got is not None else self.tile(dim, axis)
 
     def local_shape(self, shape: tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
         return tuple(local_dim(size, mesh, axes) for size, axes in zip(shape, self.dims))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     dtype: str = "float32"
+    amp: bool = False  # mixed precision as large models are trained (FSDP's bf16 parameter dtype over fp32 master
+    # weights): fp32 parameters, gradients and Adam states; the forward under torch.autocast(bf16), the residual
+    # stream and every activation and activation gradient in bf16 (RMSNorm's statistics in fp32)
 
     def __post_init__(self) -> None:
         check_common(self)
@@ -36,6 +40,8 @@ class LlamaConfig:
         require(
             self.heads % self.kv_heads == 0, f"heads {self.heads} not divisible by kv_heads {self.kv_heads}"
         )
+        require(not (self.amp and self.dtype != "float32"),
+                f"amp keeps float32 parameters (master weights) and runs the forward in bf16; got dtype {self.dtype}")
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +55,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight.to(x.dtype) * h.to(x.dtype)  # bf16 under amp (a no-op otherwise)
 
 
 class RotaryEmbedding(nn.Module):
@@ -154,14 +160,19 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.width, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.width, cfg.vocab, bias=False)
+        self.amp = cfg.amp
         nn.init.normal_(self.embed_tokens.weight, std=0.02)  # Llama init scale; cheap on meta.
 
     def forward(self, tokens: Tensor) -> Tensor:
-        cos, sin = self.rotary(tokens.shape[1])
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+        amp = torch.autocast(tokens.device.type, dtype=torch.bfloat16) if self.amp else contextlib.nullcontext()
+        with amp:
+            cos, sin = self.rotary(tokens.shape[1])
+            x = self.embed_tokens(tokens)
+            if self.amp:  # the residual stream in bf16 too, as FSDP's bf16 parameter dtype runs it
+                x = x.to(torch.bfloat16)
+            for layer in self.layers:
+                x = layer(x, cos, sin)
+            return self.lm_head(self.norm(x))
 
 
 def build_model(cfg: LlamaConfig) -> Llama:

@@ -78,6 +78,32 @@ _register(
     lm_loss,
     "Llama-2 70B shape (GQA, 8 KV heads)",
 )
+# Frontier shapes as trained (issue [scale]): PyTorch AMP (fp32 master weights, gradients and Adam states, bf16
+# matmuls and activations), published sequence lengths, a global batch the scenarios' batch-parallel axes divide
+# (benchmarks/scale.py: 256 = data 16 x fsdp 16; 1024 = pod 4 x data 16 x fsdp 16; 16 on data 8)
+_register(
+    "llama2-70b",
+    llama.LlamaConfig(layers=80, width=8192, heads=64, kv_heads=8, ffn=28672, seq=4096, batch=256, amp=True),
+    llama,
+    lm_loss,
+    "Llama-2 70B as trained: GQA 64/8, seq 4096, global batch 256, bf16 autocast over fp32 master weights",
+)
+_register(
+    "llama3-8b",
+    llama.LlamaConfig(layers=32, width=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192, batch=16,
+                      rope_theta=500000.0, amp=True),
+    llama,
+    lm_loss,
+    "Llama-3 8B as trained: GQA 32/8, vocab 128256, seq 8192, global batch 16, bf16 autocast",
+)
+_register(
+    "llama3-405b",
+    llama.LlamaConfig(layers=126, width=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256, seq=8192, batch=1024,
+                      rope_theta=500000.0, amp=True),
+    llama,
+    lm_loss,
+    "Llama-3 405B as trained: 126 layers, GQA 128/8, seq 8192, global batch 1024, bf16 autocast",
+)
 _register(
     "tiny-llama",
     llama.LlamaConfig(layers=2, width=32, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16, batch=2),

@@ -309,9 +309,14 @@ class Plans:
     place and replays what follows from the state of the prefix (`prefix`: a bounded cache; most extensions
     append and need no replay). `applied` counts the actions applied (propagated), `time_s` their time."""
 
-    def __init__(self, root: ShardingState, size: int = 256) -> None:
+    def __init__(self, root: ShardingState, size: int = 256, memo: int = 512) -> None:
         self.root, self.size = root, size
         self.cache: dict[tuple, ShardingState] = {}
+        # every plan's state (None: illegal), most recent last: a plan's state depends only on its actions,
+        # and the search replays the same plans again (rollouts, the refinement). Apart from `cache`, whose
+        # contents (and so the count of actions applied, the refinement's budget) stay what they were
+        self.memo: dict[tuple, ShardingState | None] = {}
+        self.memo_size = memo
         self.applied, self.time_s = 0, 0.0
 
     def apply(self, state: ShardingState, action: Action) -> ShardingState | None:
@@ -323,6 +328,20 @@ class Plans:
         self.time_s += time.perf_counter() - t0
         return s if ok else None
 
+    def _step(self, state: ShardingState, plan: tuple, action: Action) -> ShardingState | None:
+        """`apply(state, action)` where `plan` (the actions of `state`, then `action`) names the result: served
+        by the memo when it holds it, counted as applied either way."""
+        if plan in self.memo:
+            self.applied += 1
+            got = self.memo.pop(plan)
+        else:
+            got = self.apply(state, action)
+            if self.memo and len(self.memo) >= self.memo_size:
+                del self.memo[next(iter(self.memo))]
+        if self.memo_size > 0:
+            self.memo[plan] = got
+        return got
+
     def prefix(self, actions: tuple) -> ShardingState | None:
         """The state of `actions` applied in the order given (None: illegal), from the cache where it can."""
         if not actions:
@@ -330,7 +349,7 @@ class Plans:
         got = self.cache.get(actions)
         if got is None:
             base = self.prefix(actions[:-1])
-            got = None if base is None else self.apply(base, actions[-1])
+            got = None if base is None else self._step(base, actions, actions[-1])
             if got is not None:
                 self._keep(actions, got)
         return got
@@ -384,7 +403,7 @@ class Plans:
         for j, a in enumerate(new[first:], first):  # the prefixes are kept: candidates are judged at them
             if s is None:
                 return None
-            nxt = self.apply(s, a)
+            nxt = self._step(s, (*out, a), a)
             if nxt is None and a in mine:
                 continue  # an extra action that is illegal here: left out
             s = nxt
@@ -395,9 +414,13 @@ class Plans:
 
     def replay(self, actions, start: ShardingState | None = None) -> ShardingState | None:
         """`actions` applied in the order given, to `start` (default: the root); None when one is illegal."""
-        s = self.root if start is None else start
+        s, done = (self.root, ()) if start is None else (start, None)
         for a in actions:
-            s = self.apply(s, a)
+            if done is None:
+                s = self.apply(s, a)
+            else:
+                done = (*done, a)
+                s = self._step(s, done, a)
             if s is None:
                 return None
         return s
@@ -405,4 +428,4 @@ class Plans:
 
 def replay(root: ShardingState, actions) -> ShardingState | None:
     """The plan of `actions` applied in order to a copy of `root`; None when one of them is illegal."""
-    return Plans(root, size=0).replay(actions)
+    return Plans(root, size=0, memo=0).replay(actions)

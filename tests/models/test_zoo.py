@@ -28,6 +28,9 @@ EXPECTED_NAMES = [
     "llama-7b",
     "llama-13b",
     "llama-70b",
+    "llama2-70b",
+    "llama3-8b",
+    "llama3-405b",
     "tiny-llama",
     "unet",
     "tiny-unet",
@@ -49,6 +52,9 @@ PUBLISHED = {
     "llama-7b": 6.74e9,
     "llama-13b": 13.0e9,
     "llama-70b": 69.0e9,
+    "llama2-70b": 69.0e9,
+    "llama3-8b": 8.03e9,
+    "llama3-405b": 405.9e9,
     "vit-base": 86.6e6,
 }
 
@@ -122,6 +128,26 @@ def test_repeated_layers_are_identical_siblings(name: str) -> None:
         tuple((k, tuple(p.shape), p.dtype) for k, p in child.named_parameters()) for child in container
     }
     assert len(container) > 1 and len(signatures) == 1
+
+
+def test_amp_llama_keeps_fp32_masters_and_runs_bf16() -> None:
+    """`amp`: fp32 parameters, gradients and Adam states; the forward's matmuls, residual stream and saved
+    activations in bf16 (what the cost model then counts at 2 bytes)."""
+    from partir_torch import capture
+    from partir_torch.ir import Role
+
+    model, inputs, loss_fn = build("tiny-llama", {"amp": "true"})
+    program = capture(model, inputs, loss_fn, "adamw")
+    persistent = [v for v in program.values if v.role in (Role.PARAMETER, Role.GRADIENT, Role.OPT_STATE)]
+    assert persistent and all(v.dtype == torch.float32 for v in persistent)
+    fwd = [op for op in program.ops if op.phase.name == "FORWARD" and op.target in ("aten.mm.default",
+                                                                                      "aten.add.Tensor")
+           and not op.module.endswith("norm")]  # RMSNorm's statistics stay fp32
+    assert len(fwd) > 10 and all(program.values[op.outputs[0]].dtype == torch.bfloat16 for op in fwd)
+    real, inputs, loss_fn = build("tiny-llama", {"amp": "true"}, device="cpu")
+    assert torch.isfinite(loss_fn(real, *inputs))
+    with pytest.raises(ValueError, match="master weights"):
+        config("tiny-llama", {"amp": "true", "dtype": "bfloat16"})
 
 
 def test_gpt_weight_tying() -> None:
