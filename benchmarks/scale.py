@@ -112,7 +112,7 @@ def run_cli(name: str, budget: str | None = None, seed: int = 0) -> dict:
     child per call of a fresh helper process), the plan's cost."""
     model_name, over, hw_name, mesh_text, cli_budget, *_ = SCENARIOS[name]
     argv = [sys.executable, "-m", "partir_torch.cli", "plan", model_name, "--mesh", mesh_text, "--hardware", hw_name,
-            "--budget", budget or cli_budget, "--seed", str(seed), "--json"]
+            "--budget", budget or cli_budget, "--seed", str(seed), "--json", "--no-cache"]
     for k, v in over.items():
         argv += ["--config", f"{k}={v}"]
     if name in MEMORY:

@@ -70,7 +70,8 @@ def renamed_megatron(model_name, over, mesh, hw, dcn, budget) -> dict:
     model, inputs, loss_fn = load(model_name, over)
     model = renamed(model)
     t = time.perf_counter()
-    plan = search(model, inputs, mesh, loss_fn=loss_fn, hardware=hw, dcn_axes=dcn, budget=budget, require_fit=False)
+    plan = search(model, inputs, mesh, loss_fn=loss_fn, hardware=hw, dcn_axes=dcn, budget=budget, require_fit=False,
+                  cache=False)
     el = time.perf_counter() - t
     program = capture(model, inputs, loss_fn, "adamw", fold=True)
     rules = apply_schedule(program, mesh, f"{mesh.names[0]}:DP").rules
@@ -98,7 +99,8 @@ def e2e_child(hw: str, budget: str, seed: int) -> None:
     model_name, over, mesh, _ = E2E
     model, inputs, loss_fn = load(model_name, over)
     t = time.perf_counter()
-    plan = search(model, inputs, mesh, loss_fn=loss_fn, optimizer="adamw", hardware=hw, budget=budget, seed=seed)
+    plan = search(model, inputs, mesh, loss_fn=loss_fn, optimizer="adamw", hardware=hw, budget=budget, seed=seed,
+                  cache=False)
     total = time.perf_counter() - t
     print(json.dumps({"total_s": total, "search_s": plan.search["time_s"],
                       "capture_and_rest_s": total - plan.search["time_s"], "episodes": plan.search["episodes"],
