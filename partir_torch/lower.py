@@ -5,6 +5,7 @@ Between the sharding a value has and the one an op needs, per mesh axis:
     tiled d  -> replicated : all-gather        tiled d -> tiled d' : all-to-all
     tiled d in blocks <-> tiled d in n chunks (`Sharding.chunks`, a split / concat of n equal parts): all-to-all
     replicated -> tiled    : local slice (free) replicated/partial -> partial : free (one device keeps it)
+    tiled d by (a, b) -> tiled d by (b) or (b, a): all-gather b, then a local slice (`_misplaced`)
 Bytes are per device: for all-reduce and reduce-scatter the (partial) input held, for all-gather the
 gathered output, for all-to-all the local block. The same value resharded to the same sharding by several
 ops is one collective (the compiler's CSE): the first op (in op order) that needs it owns it. Updated
@@ -81,7 +82,12 @@ def transitions(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: 
                 out.append(("all-reduce", axis, local_numel(shape, cur, mesh) * itemsize // share))
                 share *= mesh.size(axis)
                 cur = _move(cur, axis, None, False)
-    for axis in mesh.names:
+    misplaced = _misplaced(src, dst)  # (a sum reduce-scattered lands wherever dst wants it)
+    for axis in mesh.names:  # gathered first, then sliced again in their place (XLA: a full rematerialization)
+        if axis in misplaced:
+            cur = _move(cur, axis, None, axis in cur.partial)
+            out.append(("all-gather", axis, local_numel(shape, cur, mesh) * itemsize))
+    for axis in _gather_order(cur, dst, mesh.names):
         s_dim = cur.dim_of(axis)
         d_dim = dst.dim_of(axis)
         s_part, d_part = axis in cur.partial, axis in dst.partial
@@ -98,6 +104,59 @@ def transitions(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: 
         elif s_dim is not None and s_dim == d_dim and _chunks(src, s_dim) != _chunks(dst, s_dim):
             out.append(("all-to-all", axis, before))  # the same tiles, laid out as blocks vs chunks
         cur = nxt
+    return out
+
+
+def fused(src: Sharding, dst: Sharding, steps) -> dict[str, int]:
+    """{kind: bytes per device} of one reshard's `transitions` steps as an SPMD compiler (XLA) emits them:
+    the reduction over several axes one collective over their devices (at its largest step's bytes, under
+    its first step's kind), the gathers off one dim one all-gather (its last step's output). What `verify`
+    holds against the compiled HLO; the time model keeps the per-axis steps (the same bytes cross the
+    links either way)."""
+    out: dict[str, int] = {}
+    groups: dict[object, tuple[str, int]] = {}
+    for kind, axis, nbytes in steps:
+        if kind in ("reduce-scatter", "all-reduce"):
+            key: object = "sum"
+        elif kind == "all-gather":
+            key = ("gather", src.dim_of(axis))
+        else:
+            out[kind] = out.get(kind, 0) + nbytes
+            continue
+        first, most = groups.get(key, (kind, 0))
+        groups[key] = (first, max(most, nbytes))
+    for kind, nbytes in groups.values():
+        out[kind] = out.get(kind, 0) + nbytes
+    return out
+
+
+def _gather_order(src: Sharding, dst: Sharding, names: tuple[str, ...]) -> list[str]:
+    """Mesh order, except that the axes gathered off one dim go minor first (each a gather over contiguous
+    blocks, as an SPMD partitioner does them)."""
+    order: list[str] = []
+    for axis in names:
+        if axis in order:
+            continue
+        d = src.dim_of(axis)
+        if d is not None and dst.dim_of(axis) is None:
+            tail = src.dims[d][src.dims[d].index(axis):]
+            order += [a for a in reversed(tail) if dst.dim_of(a) is None and a not in order]
+        else:
+            order.append(axis)
+    return order
+
+
+def _misplaced(src: Sharding, dst: Sharding) -> set[str]:
+    """Axes that tile the same dim in `src` and `dst` but not at the same place in its order of axes (after
+    where the two orders part): a device's tile is then another block of the dim, so the axis must be
+    gathered and sliced again. A dim tiled (a, b) holds block i_a·n_b + i_b; dropping a keeps b only when
+    b is the whole rest of the order, and adding a in front of b moves every block."""
+    out: set[str] = set()
+    for s, d in zip(src.dims, dst.dims):
+        k = 0
+        while k < len(s) and k < len(d) and s[k] == d[k]:
+            k += 1
+        out.update(a for a in s[k:] if a in d[k:])
     return out
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from partir_torch.cost.model import collective_time
 from partir_torch.ir import Mesh, Sharding
@@ -69,3 +72,47 @@ def test_a_value_and_its_transpose_resharded_alike_are_one_collective():
     counted = sum(c.bytes for c in lower(state))
     assert counted < plain  # the merged reshards are not counted twice
     assert evaluate(state, hw).comm_bytes == summarize(lower(state))
+
+
+def _tiles(sh: Sharding, mesh: Mesh, shape=(8, 4)) -> list[set[int]]:
+    """Each device's elements (as flat indices) under `sh`, by the simulator's own scatter."""
+    from partir_torch.simulate import _Mesh
+
+    g = torch.arange(math.prod(shape)).reshape(shape)
+    return [set(t.flatten().tolist()) for t in _Mesh(mesh).scatter(g, sh)]
+
+
+TILINGS = [(), ("batch",), ("model",), ("batch", "model"), ("model", "batch")]
+
+
+@pytest.mark.parametrize("src", TILINGS)
+@pytest.mark.parametrize("dst", TILINGS)
+def test_a_reshard_is_free_exactly_when_every_device_keeps_its_new_tile(src, dst):
+    """No collective iff each device's tile under `dst` lies inside its tile under `src` (the order of the
+    axes on a dim matters: (batch, model) holds block 4b+m of 8, so dropping batch or putting model in front
+    moves blocks between devices), checked against the simulator's layout of the tiles."""
+    mesh = Mesh.parse("batch=2,model=4")
+    a, b = Sharding((src, ())), Sharding((dst, ()))
+    local = all(new <= old for old, new in zip(_tiles(a, mesh), _tiles(b, mesh)))
+    steps = transitions(a, b, (8, 4), 4, mesh)
+    assert (not steps) == local, steps
+    if not local:
+        assert {k for k, _, _ in steps} == {"all-gather"}
+
+
+def test_gathers_off_one_dim_go_minor_axis_first_and_fuse_as_one():
+    """Gathering a dim tiled (batch, model): model first (a gather over contiguous blocks), then batch; XLA
+    emits the two as one all-gather over the 8 devices (`fused`: the last step's output)."""
+    from partir_torch.lower import fused
+
+    mesh = Mesh.parse("batch=2,model=4")
+    both = Sharding((("batch", "model"), ()))
+    steps = transitions(both, Sharding.replicated(2), (64, 32), 4, mesh)
+    assert steps == [("all-gather", "model", FULL // 2), ("all-gather", "batch", FULL)]
+    assert fused(both, Sharding.replicated(2), steps) == {"all-gather": FULL}
+    two_dims = Sharding((("batch",), ("model",)))
+    steps = transitions(two_dims, Sharding.replicated(2), (64, 32), 4, mesh)
+    assert fused(two_dims, Sharding.replicated(2), steps) == {"all-gather": sum(b for _, _, b in steps)}
+    summed = Sharding(((), ()), frozenset({"batch", "model"}))
+    steps = transitions(summed, Sharding.replicated(2), (64, 32), 4, mesh)
+    assert len(steps) == 2 and fused(summed, Sharding.replicated(2), steps) == {"all-reduce": FULL}

@@ -129,10 +129,10 @@ class _Tied(torch.nn.Module):
         return self.out(self.b(torch.relu(self.a(self.emb(t)))))
 
 
-def test_parameters_an_fsdp_plan_gathers_for_use_are_read_as_gathered_except_tied_ones():
+def test_parameters_an_fsdp_plan_gathers_for_use_are_read_as_gathered_tied_ones_too():
     """`param_reads`: FSDP stores weights tiled over the axis and gathers them for the forward, which the
-    backward reuses; a backend hands each module its weight gathered. A tied weight (two modules) is left to
-    the engine."""
+    backward reuses; a backend hands each module its weight gathered. A tied weight (read by the embedding
+    and, transposed, by the output layer) is gathered once too: it is read so by both."""
     from partir_torch.search.api import search
 
     model = _Tied()
@@ -147,5 +147,6 @@ def test_parameters_an_fsdp_plan_gathers_for_use_are_read_as_gathered_except_tie
     assert {"a.weight", "b.weight"} <= stored_tiled
     assert {"a.weight", "b.weight"} <= set(plan.param_reads)
     assert all(not any(plan.param_reads[n]) for n in ("a.weight", "b.weight"))  # gathered whole
-    assert "emb.weight" not in plan.param_reads and "out.weight" not in plan.param_reads
+    assert "emb.weight" in stored_tiled and not any(plan.param_reads["emb.weight"])
+    assert "out.weight" not in plan.param_reads  # (one parameter: its first name)
     assert ShardingPlan.from_json(json.loads(json.dumps(plan.to_json()))).param_reads == plan.param_reads

@@ -266,22 +266,28 @@ def constrain(t: torch.Tensor, mesh, spec: tuple, grad_spec: tuple | None) -> to
 
 
 class _ReadAs:
-    """Hands a module its parameter `attr` constrained to the sharding its forward reads it in, for the
-    duration of its forward: the engine then reshards the parameter once, and the backward reuses the
-    resharded tensor autograd saved (the parameter object and `state_dict` are untouched)."""
+    """Hands the modules holding a parameter (`places`: (module, attribute), several when it is tied) the
+    parameter constrained to the sharding the plan reads it in, for the duration of the forward of the
+    module around them: the engine then reshards it once, and the backward reuses the resharded tensor
+    autograd saved (the parameter object and `state_dict` are untouched)."""
 
-    def __init__(self, attr: str, mesh, spec: tuple) -> None:
-        self.attr, self.mesh, self.spec = attr, mesh, spec
+    def __init__(self, places: list[tuple[nn.Module, str]], mesh, spec: tuple) -> None:
+        self.places, self.mesh, self.spec = places, mesh, spec
         self.saved: list[torch.Tensor] = []
 
     def enter(self, mod: nn.Module, args: Any) -> None:
-        p = mod._parameters[self.attr]
+        holder, attr = self.places[0]
+        p = holder._parameters[attr]
         self.saved.append(p)
-        mod._parameters[self.attr] = constrain(p, self.mesh, self.spec, None)
+        read = constrain(p, self.mesh, self.spec, None)
+        for m, a in self.places:
+            m._parameters[a] = read
 
     def leave(self, mod: nn.Module, args: Any, out: Any) -> None:
         if self.saved:
-            mod._parameters[self.attr] = self.saved.pop()
+            p = self.saved.pop()
+            for m, a in self.places:
+                m._parameters[a] = p
 
 
 # -- applying a plan to a module ------------------------------------------------------------------------------
@@ -430,13 +436,23 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
             read_as(_spec(spec, len(spec)), _spec(grad, len(grad)) if grad is not None else None,
                     in_shapes.get(path)), with_kwargs=True))
 
-    for name, spec in plan.param_reads.items():  # parameters gathered once, as their module reads them
+    held: dict[int, list[tuple[str, nn.Module, str]]] = {}  # id(parameter) -> where it is held (tied: several)
+    for path, m in model.named_modules(remove_duplicate=False):
+        for a, p in m._parameters.items():
+            if isinstance(p, nn.Parameter):
+                held.setdefault(id(p), []).append((path, m, a))
+    for name, spec in plan.param_reads.items():  # parameters gathered once, as the plan reads them
         owner, _, attr = name.rpartition(".")
-        mod = model.get_submodule(owner)
-        if isinstance(mod._parameters.get(attr), nn.Parameter):
-            swap = _ReadAs(attr, mesh, _spec(spec, len(spec)))
-            rec.handles += [mod.register_forward_pre_hook(swap.enter),
-                            mod.register_forward_hook(swap.leave, always_call=True)]
+        p = model.get_submodule(owner)._parameters.get(attr)
+        if not isinstance(p, nn.Parameter):
+            continue
+        places = list({(id(m), a): (m, a) for _, m, a in held[id(p)]}.values())
+        paths = list(zip(*[path.split(".") if path else [] for path, _, _ in held[id(p)]]))
+        n = next((i for i, names in enumerate(paths) if len(set(names)) > 1), len(paths))
+        mod = model.get_submodule(".".join(names[0] for names in paths[:n]))  # the module around all of them
+        swap = _ReadAs(places, mesh, _spec(spec, len(spec)))
+        rec.handles += [mod.register_forward_pre_hook(swap.enter),
+                        mod.register_forward_hook(swap.leave, always_call=True)]
 
     def grad_to(spec: tuple):
         def hook(g):

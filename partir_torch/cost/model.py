@@ -233,6 +233,7 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
     by_axis: dict[str, float] = {}
     comm_bytes: dict[str, dict[str, int]] = {}
     temps = np.zeros(n_ops, dtype=np.int64)  # collective output buffers (all-gathers) at the op needing them
+    comm_fused: dict[str, int] = {}
     if colls:
         names = state.mesh.names
         n_ax = len(names)
@@ -252,6 +253,8 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
             totals = [int(wb[combo == c].sum()) for c in range(len(KINDS) * n_ax)]
         for c in dict.fromkeys(combo.tolist()):
             comm_bytes.setdefault(KINDS[c // n_ax], {})[names[c % n_ax]] = int(totals[c])
+        fused = (st.slot_w[win][:, None] * memo.m_fused.a[moves]).sum(axis=0).tolist()
+        comm_fused = {k: int(b) for k, b in zip(KINDS, fused) if b}
         ops = st.slot_op_arr[win]
         ag = memo.m_ag.a[moves]
         has = np.flatnonzero((ag > 0) & (ops >= 0))
@@ -306,5 +309,6 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
         param_bytes_per_device=int((lb[st.param_vid] * st.param_w).sum()),
         opt_state_bytes_per_device=int((lb[st.opt_vid] * st.opt_w).sum()),
         memory_limit=hw.memory if memory_limit is None else memory_limit, collectives=colls,
+        comm_bytes_fused=comm_fused,
     )
 

@@ -52,6 +52,8 @@ class CostReport:
     opt_state_bytes_per_device: int
     memory_limit: float
     collectives: list[Collective] = field(default_factory=list, repr=False)
+    # {kind: bytes per device} with each reshard's steps fused as an SPMD compiler emits them (`lower.fused`)
+    comm_bytes_fused: dict[str, int] = field(default_factory=dict)
 
     @property
     def feasible(self) -> bool:
@@ -62,7 +64,8 @@ class CostReport:
             "step_time_s": self.step_time_s, "compute_time_s": self.compute_time_s, "comm_time_s": self.comm_time_s,
             "comm_time_by_axis": self.comm_time_by_axis,
             "comm_bytes": {k: sum(v.values()) for k, v in self.comm_bytes.items()},
-            "comm_bytes_by_axis": self.comm_bytes, "flops_per_device": self.flops_per_device,
+            "comm_bytes_by_axis": self.comm_bytes, "comm_bytes_fused": self.comm_bytes_fused,
+            "flops_per_device": self.flops_per_device,
             "peak_memory_bytes": self.peak_memory_bytes, "memory_by_role": self.memory_by_role,
             "top_at_peak": [list(t) for t in self.top_at_peak], "param_bytes_per_device": self.param_bytes_per_device,
             "opt_state_bytes_per_device": self.opt_state_bytes_per_device, "memory_limit": self.memory_limit,

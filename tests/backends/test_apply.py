@@ -94,6 +94,23 @@ def test_auto_shard_trains_like_unsharded_and_unshard_gives_the_trained_weights_
         torch.testing.assert_close(p, dict(ref.named_parameters())[n], rtol=1e-5, atol=1e-6)
 
 
+def test_a_tied_weight_the_plan_gathers_is_handed_gathered_to_both_its_modules_and_given_back():
+    """FSDP gathers the tied embedding / head weight once for the forward: the model around both modules
+    hands them one constrained copy and puts the Parameter back after its forward."""
+    model, batch = _tagger()
+    ref = copy.deepcopy(model)
+    plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel;model:FSDP")
+    assert "embed.weight" in plan.param_reads and any(plan.params["embed.weight"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    tied = model.embed.weight
+    losses = _train(model, sopt, tagger_loss, batch, 3, shard=True)
+    assert model.embed._parameters["weight"] is tied and model.head._parameters["weight"] is tied
+    ref_losses = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), tagger_loss, batch, 3,
+                        shard=False)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
 def test_a_zero_plan_holds_sharded_optimizer_states_on_the_device():
     """The states' shardings are read from the tensors XLA holds, not from the plan."""
     from partir_torch.backends.xla import sharding_of

@@ -1,0 +1,219 @@
+"""Where a module reads its tensors in another sharding than they have: the resharding a backend must
+apply at a module's boundary (its input, its parameters) so that the engine runs the plan's collectives
+once, where the cost model puts them, instead of resolving the conflict its own way."""
+
+from __future__ import annotations
+
+from partir_torch.ir.sharding import Sharding
+from partir_torch.propagate import ShardingState
+
+
+def _forward_modules(program) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """({module path: its forward ops, submodules' included, in op order}, {module path: calls})."""
+    from partir_torch.ir.program import Phase
+
+    ops_of: dict[str, list[int]] = {}
+    calls: dict[str, int] = {}
+    prev = ""
+    for op in program.ops:
+        if op.phase is not Phase.FORWARD or not op.module:
+            prev = ""
+            continue
+        parts = op.module.split(".")
+        for i in range(1, len(parts) + 1):
+            path = ".".join(parts[:i])
+            if not (prev == path or prev.startswith(path + ".")):  # entered from outside: a call
+                calls[path] = calls.get(path, 0) + 1
+            ops_of.setdefault(path, []).append(op.id)
+        prev = op.module
+    return ops_of, calls
+
+
+def module_outputs(program) -> dict[str, int]:
+    """The value each module's forward returns, by module path: the one forward activation made inside the
+    module (its ops or its submodules') and used outside it. Modules whose output is not one such value
+    (several outputs, tuples, modules called more than once) are left out."""
+    from partir_torch.ir.program import Role
+
+    ops_of, calls = _forward_modules(program)
+    made = {path: {o for i in ids for o in program.ops[i].outputs if o >= 0} for path, ids in ops_of.items()}
+    users, ops = program.users, program.ops
+    out: dict[str, int] = {}
+    for path, vals in made.items():
+        sub = path + "."
+        escaping = []
+        for v in sorted(vals):
+            if program.values[v].role is not Role.ACTIVATION:
+                continue
+            if any(not (m := ops[u].module) or not (m == path or m.startswith(sub)) for u in users[v]):
+                escaping.append(v)
+        if len(escaping) == 1:
+            out[path] = escaping[0]
+    return {p: v for p, v in out.items() if calls.get(p, 1) <= 1}
+
+
+def module_inputs(state: ShardingState) -> dict[str, tuple[int, Sharding, Sharding | None]]:
+    """{module path: (its input value, the sharding the module reads it in, the sharding of the gradient it
+    sends back for it or None)} where the plan reshards a module's
+    one outside input as the module's first step: `lower` reshards the input (or a same-size single-operand
+    view of it, the sharding then taken back to the input's dims) at every use inside the module, all to the
+    same sharding. A backend constrains the module's input to it, so that the engine reshards where the cost
+    model does (an all-gather of LayerNorm's input, not the all-to-all of its output GSPMD would choose).
+    Modules called more than once, with several outside inputs, or whose input is used as it is are left out."""
+    from partir_torch.ir.program import Role
+
+    program = state.program
+    ops_of, calls = _forward_modules(program)
+    producer = {v: op.id for op in program.ops for v in op.outputs if v >= 0}
+    out: dict[str, tuple[int, Sharding, Sharding | None]] = {}
+    for path, ids in ops_of.items():
+        if calls.get(path, 1) > 1:
+            continue
+        inside = set(ids)
+        outer = {v for i in ids for v in program.ops[i].inputs if v >= 0 and producer.get(v, -1) not in inside
+                 and program.values[v].role in (Role.ACTIVATION, Role.INPUT)}
+        if len(outer) != 1:
+            continue
+        v = outer.pop()
+        need = _read_as(state, v, inside)
+        if need is not None and need != state.shard[v]:
+            out[path] = (v, need, _grad_read_as(state, v, path))
+    return out
+
+
+def param_reads(state: ShardingState) -> dict[str, Sharding]:
+    """{parameter name: the sharding its module's forward reads it in} for parameters the plan stores sharded
+    and gathers (or re-tiles) before use, read inside one module called once, all in one sharding. A
+    backend hands that module the parameter in that sharding, so that the engine reshards it once and the
+    backward reuses it as the cost model does (XLA otherwise re-gathers a linear's transposed weight in
+    the backward). A tied parameter is handed by the module around all its uses (the model, for tied
+    embeddings) to all of them. Left out: parameters whose views the plan's backward reshards with a
+    collective of its own (the engine is left to do so too)."""
+    from partir_torch.ir.program import Phase
+    from partir_torch.lower import lower
+
+    program = state.program
+    ops_of, calls = _forward_modules(program)
+    users = program.users
+    again = {c.value for c in lower(state) if c.op >= 0 and program.ops[c.op].phase is Phase.BACKWARD}
+    out: dict[str, Sharding] = {}
+    ops_of[""] = [op.id for op in program.ops if op.phase is Phase.FORWARD and op.module]  # the model itself
+    for name, v in program.params.items():
+        fwd = [u for u in users[v] if program.ops[u].phase is Phase.FORWARD]
+        around = list(zip(*[(program.ops[u].module or "").split(".") for u in fwd], name.split(".")[:-1]))
+        n = next((i for i, names in enumerate(around) if len(set(names)) > 1), len(around))
+        owner = ".".join(names[0] for names in around[:n])  # the innermost module around every use
+        if not fwd or calls.get(owner, 1) > 1 or owner not in ops_of:
+            continue
+        inside = set(ops_of[owner])
+        if any(u not in inside for u in fwd):
+            continue
+        need = _read_as(state, v, inside)
+        if need is None or need == state.shard[v] or _views(program, v) & again:
+            continue  # (the backward reshards it again: the plan does not reuse the forward's copy)
+        out[name] = need
+    return out
+
+
+def _views(program, v: int) -> set[int]:
+    """`v` and the values made from it by chains of same-size single-operand ops (its views and casts)."""
+    seen, todo = {v}, [v]
+    while todo:
+        c = todo.pop()
+        for u in program.users[c]:
+            op = program.ops[u]
+            outs = [o for o in op.outputs if o >= 0]
+            if len([i for i in op.inputs if i >= 0]) == 1 and len(outs) == 1 and outs[0] not in seen \
+                    and program.values[outs[0]].numel == program.values[c].numel:
+                seen.add(outs[0])
+                todo.append(outs[0])
+    return seen
+
+
+def _grad_read_as(state: ShardingState, v: int, path: str) -> Sharding | None:
+    """The sharding of the gradient the module at `path` sends back for its input `v`: the one value of v's
+    shape that its backward ops make and ops outside them use, as they make it, or, when that is a pending
+    sum, as its first user reads it (reduce-scattered there: the tiled form); None when that is not one
+    value or stays a sum."""
+    from partir_torch.ir.program import Phase, Role
+    from partir_torch.lower import op_shardings, required_operand
+
+    program = state.program
+    sub = path + "."
+    mine = {op.id for op in program.ops if op.phase is Phase.BACKWARD and op.module
+            and (op.module == path or op.module.startswith(sub))}
+    shape = program.values[v].shape
+    users = program.users
+    sent = {w for o in mine for w in program.ops[o].outputs if w >= 0 and program.values[w].role is Role.ACTIVATION
+            and program.values[w].shape == shape and any(u not in mine for u in users[w])}
+    if len(sent) != 1:
+        return None
+    g = sent.pop()
+    maker = program.values[g].producer
+    made = op_shardings(state, maker)[1][[t.value for t in state.rules[maker].results].index(g)]
+    first = min(u for u in users[g] if u not in mine)
+    rule = state.rules[first]
+    slot = next((i for i, t in enumerate(rule.operands) if t.value == g), None)
+    read = required_operand(state, first, slot) if slot is not None else state.shard[g]
+    for sh in (made, read):
+        if not sh.partial and not sh.chunks:
+            return sh
+    return None
+
+
+def _read_as(state: ShardingState, v: int, inside: set[int]) -> Sharding | None:
+    """The one sharding the ops of `inside` read `v` in, following same-size single-operand ops (views,
+    casts) to where their results are resharded, back through them; None when the uses disagree, a way
+    back does not map dims, or the read is a pending sum or a chunked layout."""
+    need = _read(state, v, inside)
+    return None if need is None or need.partial or need.chunks else need
+
+
+def _read(state: ShardingState, cur: int, inside: set[int]) -> Sharding | None:
+    from partir_torch.lower import op_reshards
+
+    program = state.program
+    uses = [u for u in program.users[cur] if u in inside]
+    if not uses:
+        return None
+    reads = set()
+    for u in uses:
+        moved = [dst for w, _, dst in op_reshards(state, u) if w == cur]
+        rule = state.rules[u]
+        if moved:
+            reads.add(moved[0])
+            continue
+        a = program.values[cur]
+        b = program.values[rule.results[0].value] if len(rule.results) == 1 else None
+        if len(rule.operands) != 1 or b is None or a.numel != b.numel or a.dtype.itemsize != b.dtype.itemsize:
+            reads.add(state.shard[cur])  # read as it is
+            continue
+        res = rule.results[0].value
+        made = [dst for w, _, dst in op_reshards(state, u) if w == res]
+        if made:  # the view resharded where it is made (`lower.relayout_root`: one collective for its readers)
+            got = made[0]
+            if any(u2 in inside and any(w == res and dst != got for w, _, dst in op_reshards(state, u2))
+                   for u2 in program.users[res]):
+                return None  # ... and re-sliced to another sharding by the module
+        else:
+            got = _read(state, res, inside)
+        back = None if got is None else _pull_back(rule, got)
+        if back is None:
+            return None
+        reads.add(back)
+    return reads.pop() if len(reads) == 1 else None
+
+
+def _pull_back(rule, need: Sharding) -> Sharding | None:
+    """`need` of a view's result as its operand's sharding: each tiled result dim to the operand dim of its
+    factor (None when one has none)."""
+    src, dst = rule.operands[0].dims, rule.results[0].dims
+    dims: list[tuple[str, ...]] = [() for _ in src]
+    for d, axes in enumerate(need.dims):
+        if not axes:
+            continue
+        f = dst[d]
+        if f is None or f not in src:
+            return None
+        dims[src.index(f)] += axes
+    return Sharding(tuple(dims), need.partial, ())
