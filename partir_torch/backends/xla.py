@@ -143,6 +143,15 @@ def _spec(entry: list | None, n: int) -> tuple:
     return tuple(tuple(e) if isinstance(e, list) else e for e in entry)
 
 
+def _mark(t: torch.Tensor, mesh, spec: tuple) -> None:
+    """`xs.mark_sharding(t, mesh, spec)` without its per-call probe for torchax and jax (a failed import on
+    every call when they are absent: a sixth of placing GPT-2 small, and paid again in every traced step)."""
+    torch_xla, _, _ = _xla()
+    if t.dim() != len(spec):
+        raise ValueError(f"spec {spec} has {len(spec)} entries for a tensor of rank {t.dim()}")
+    torch_xla._XLAC._xla_mark_sharding(t, mesh.get_op_sharding(spec))
+
+
 def _to_device(t: torch.Tensor, mesh, spec: list | None) -> torch.Tensor:
     """A host tensor on the XLA device, transferred shard by shard with `spec` (a `.to(device)` would place
     it whole on every device first, and `mark_sharding` then move it back to re-split it)."""
@@ -154,7 +163,7 @@ def _to_device(t: torch.Tensor, mesh, spec: list | None) -> torch.Tensor:
     if t.dim() == 1 and t.device.type != "xla":  # torch_xla 2.9 cannot transfer a partially tiled 1-D tensor
         t = t.detach().to(torch_xla.device())  # by shards (an IndexError); vectors are small: move, then split
     if t.device.type == "xla":
-        xs.mark_sharding(t, mesh, _spec(spec, t.dim()))
+        _mark(t, mesh, _spec(spec, t.dim()))
         return t
     sharding = xs.ShardingSpec(mesh, _spec(spec, t.dim()))
     return xm.send_cpu_data_to_device([t.detach().cpu()], torch_xla.device(), sharding)[0]
@@ -249,15 +258,14 @@ class _Constrain(torch.autograd.Function):
         if sharding_of(t):  # a sharded parameter's data keeps its sharding: annotate the use instead
             xs.annotate_custom_sharding(out, mesh, spec)
         else:
-            xs.mark_sharding(out, mesh, spec)
+            _mark(out, mesh, spec)
         return out
 
     @staticmethod
     def backward(ctx, g):
         if ctx.grad_spec is not None:
-            _, xs, _ = _xla()
             g = g.clone()
-            xs.mark_sharding(g, ctx.mesh, ctx.grad_spec)
+            _mark(g, ctx.mesh, ctx.grad_spec)
         return g, None, None, None
 
 
@@ -328,7 +336,7 @@ def shard_module(model: nn.Module, plan: ShardingPlan, mesh=None, *, lowerings: 
                  loss_fn=None) -> Sharded:
     """Move `model` to the XLA device with the plan's shardings, constraints and batch hook (module docstring).
     On any failure the model is left as it was."""
-    torch_xla, xs, _ = _xla()
+    torch_xla, _, _ = _xla()
     if model in _SHARDED:
         raise XlaError(f"{type(model).__name__} is already sharded by partir_torch (plan for mesh "
                        f"{_SHARDED[model].plan.mesh}); call partir_torch.unshard(model) first to shard it again")
@@ -363,7 +371,7 @@ def shard_module(model: nn.Module, plan: ShardingPlan, mesh=None, *, lowerings: 
             for i, t in moved.items():  # marked after their initialization (lazy: computed sharded)
                 name = names.get(i) or bnames.get(i)
                 spec = plan.params.get(name) if i in names else plan.buffers.get(name)
-                xs.mark_sharding(t, mesh, _spec(spec, t.dim()))
+                _mark(t, mesh, _spec(spec, t.dim()))
         _install_hooks(model, record)
         torch_xla.sync()  # materialize (and, from meta, initialize) the sharded parameters now
     except BaseException:
@@ -456,7 +464,7 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
 
     def grad_to(spec: tuple):
         def hook(g):
-            xs.mark_sharding(g, mesh, spec)
+            _mark(g, mesh, spec)
 
         return hook
 
