@@ -126,6 +126,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from partir_torch.lower import summarize
     from partir_torch.plan import ShardingPlan, specs
     from partir_torch.search import Budget, SearchConfig
+    from partir_torch.search.api import rebuild
     from partir_torch.simulate import simulate
     from partir_torch.tactics import apply_schedule
 
@@ -145,7 +146,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     program = capture(model, inputs, loss_fn, args.optimizer, assume_compiling=args.assume_compiling,
                       fallback=args.fallback)
     if plan is not None:
-        state = plan.to_state(program, fallback=args.fallback)
+        state = rebuild(plan, program, fallback=args.fallback)
         args.schedule = f"plan {args.plan}"
     else:
         config = SearchConfig(seed=args.seed, budget=Budget.parse(args.budget))  # Auto: bounded, default or given

@@ -24,6 +24,7 @@ judged where each would go (`Plans.candidates`), and adding one replays only the
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -112,6 +113,21 @@ class TileLate:
 
     def apply(self, state: ShardingState) -> None:
         state.apply(Tile(self.target, self.dim, self.axis))
+
+
+_TILE = re.compile(r"tile\((?P<target>.+), (?P<dim>-?\d+), (?P<axis>[^,()]+)(?P<late>, late)?\)")
+_ZERO = re.compile(r"zero(?P<stage>\d)\((?P<target>.+), (?P<dim>-?\d+), '(?P<axis>[^']+)'\)")
+
+
+def parse_action(text: str) -> Tile | TileLate | ShardOptimizer:
+    """An action back from its text (`str(action)`, as a plan's search log keeps it)."""
+    if m := _TILE.fullmatch(text):
+        cls = TileLate if m["late"] else Tile
+        return cls(m["target"], int(m["dim"]), m["axis"])
+    if m := _ZERO.fullmatch(text):
+        return ShardOptimizer(m["target"], int(m["dim"]), m["axis"], int(m["stage"]))
+    raise ValueError(f"not a search action: {text!r} (expected tile(target, dim, axis[, late]) or "
+                     "zeroN(target, dim, 'axis'))")
 
 
 def _zero_all(state: ShardingState, axis: str, stage: int, first: bool = False) -> list[tuple[str, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from partir_torch import capture, models
@@ -178,3 +179,13 @@ def test_decided_bytes_ranks_inputs_then_whole_model_zero_then_groups_by_size():
     assert by[group] == sum(p.values[v].nbytes for v in state.resolve(group.target)) > p.values[
         state.resolve(group.target)[0]].nbytes
     assert by[ShardOptimizer("*", -1, "batch", 3)] > by[ShardOptimizer("*", -1, "batch", 1)]
+
+
+def test_an_action_printed_in_a_plans_log_parses_back_to_itself():
+    from partir_torch.search.space import parse_action
+
+    for a in (Tile("h.*.attn.c_attn.weight", 1, "model"), TileLate("inputs[0]", 0, "batch"),
+              ShardOptimizer("*", -1, "model", 3), ShardOptimizer("wte.weight", 0, "batch", 1)):
+        assert parse_action(str(a)) == a
+    with pytest.raises(ValueError, match="not a search action"):
+        parse_action("replicate(x, batch)")
