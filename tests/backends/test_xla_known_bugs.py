@@ -1,0 +1,53 @@
+"""Engine bugs found while verifying plans, pinned as they are (strict xfail: a torch_xla that fixes one
+turns its test red, and the entry goes). Each is a plain torch_xla program, without partir_torch."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
+
+
+def _moe_experts(w_in_spec: tuple, w_out_spec: tuple) -> float:
+    """max |XLA - CPU| of an MoE layer's expert computation (dispatch einsum, two bmm, combine einsum) with the
+    stacked expert weights sharded as given on a (2, 2, 2) mesh."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.Mesh(np.arange(8), (2, 2, 2), ("batch", "model", "x"))
+    g = torch.Generator().manual_seed(0)
+    t, e, c, d, f = 64, 4, 40, 32, 64
+    x = torch.randn(t, d, generator=g)
+    dispatch = (torch.rand(t, e, c, generator=g) < 0.05).float()
+    combine = dispatch * torch.rand(t, e, c, generator=g)
+    w_in, w_out = torch.randn(e, d, f, generator=g) * 0.1, torch.randn(e, f, d, generator=g) * 0.1
+
+    def experts(x, dispatch, combine, w_in, w_out):
+        h = torch.nn.functional.gelu(torch.bmm(torch.einsum("tec,td->ecd", dispatch, x), w_in), approximate="tanh")
+        return torch.einsum("tec,ecd->td", combine, torch.bmm(h, w_out))
+
+    ref = experts(x, dispatch, combine, w_in, w_out)
+    dev = torch_xla.device()
+    xx, dd, cc, wi, wo = (a.to(dev) for a in (x, dispatch, combine, w_in, w_out))
+    xs.mark_sharding(wi, mesh, w_in_spec)
+    xs.mark_sharding(wo, mesh, w_out_spec)
+    out = experts(xx, dd, cc, wi, wo)
+    torch_xla.sync()
+    return (out.cpu() - ref).abs().max().item()
+
+
+def test_moe_experts_with_these_weight_shardings_compute_what_cpu_computes():
+    """The control for the bug below: the same program, w_out as there, w_in's contraction dim not tiled."""
+    assert _moe_experts(("model", None, None), (("model", "batch"), None, "x")) < 1e-5
+
+
+@pytest.mark.xfail(strict=True, reason="torch_xla 2.9 SPMD miscomputes: w_in [E, D, F] with D tiled over two axes "
+                   "('batch', 'x'; also ('x', 'batch') on other data) and w_out [E, F, D] with E tiled ('model', "
+                   "'batch') and D on 'x' give a wrong result (found on a searched "
+                   "tiny-moe plan on {batch:2, model:2, x:2}; docs/apply.md)")
+def test_moe_experts_with_a_weight_tiled_batch_then_x_compute_what_cpu_computes():
+    assert _moe_experts(("model", ("batch", "x"), None), (("model", "batch"), None, "x")) < 1e-5
