@@ -16,19 +16,11 @@ from partir_torch.capture.opaque import measured_flops
 from partir_torch.cost.hardware import Hardware
 from partir_torch.cost.report import FLOP_TARGETS, KINDS, op_flops
 from partir_torch.ir.mesh import Mesh
-from partir_torch.ir.program import Phase, Program, Role
+from partir_torch.ir.program import Phase, Role
 from partir_torch.ir.sharding import Sharding, local_dim
 from partir_torch.lower import Collective, fused, op_signatures, relayouts, reshard
 from partir_torch.propagate import Changes, ShardingState
 from partir_torch.rules.tables import ATTENTION, VIEWS
-
-
-def collective_weight(program: Program, op_w, own_w, o: int, v: int) -> int:
-    """The fold weight of a collective of value `v` needed by op `o` (-1: at the end of the step)."""
-    prod = program.values[v].producer
-    if o >= 0 and (prod < 0 or program.ops[o].phase is not Phase.BACKWARD):
-        return op_w[o]  # forward: the boundary into element 1 stands for N - 1 boundaries
-    return op_w[prod] if prod >= 0 else own_w[v]  # backward runs the other way: the boundary out of element 1 does
 
 
 class Static:
@@ -93,8 +85,14 @@ class Static:
         self.slot_op = [*slot_op, *([-1] * len(self.ends))]
         self.slot_op_arr = np.array(self.slot_op, dtype=np.int64)
         # the fold weight of a collective at a slot (op o, value v; o = -1: end of step)
-        self.slot_w = np.array([collective_weight(program, op_w, own_w, o, v)
-                                for o, v in zip(self.slot_op, self.slot_vals)], dtype=np.int64)
+        slot_w = []
+        for o, v in zip(self.slot_op, self.slot_vals):
+            prod = vals[v].producer
+            if o >= 0 and (prod < 0 or ops[o].phase is not Phase.BACKWARD):
+                slot_w.append(op_w[o])  # forward: the boundary into element 1 stands for N - 1 boundaries
+            else:  # backward runs the other way: the boundary out of element 1 does
+                slot_w.append(op_w[prod] if prod >= 0 else own_w[v])
+        self.slot_w = np.array(slot_w, dtype=np.int64)
         # nothing assigned: replicated shapes and shardings
         self.flops0 = np.zeros(n_ops, dtype=np.float64)
         self.nbytes0 = np.zeros(n_ops, dtype=np.float64)
@@ -314,7 +312,7 @@ class Memo:
                 steps, s, d = reshard(state, vals[slots[j]], src, dst)
                 by_kind = fused(src, dst, steps)
                 self.m_fused.append([by_kind.get(kind, 0) for kind in KINDS])
-                rows = [-1] * len(self.axes)  # by mesh axis (a reshard moves an axis at most once, in mesh order)
+                rows = [-1] * len(self.axes)  # by mesh axis (a reshard moves an axis at most once)
                 for kind, axis, nbytes in steps:
                     rows[self.axes[axis]] = self.row(axis, kind, nbytes)
                 self.moves[k] = len(self.m_steps)
