@@ -5,7 +5,7 @@ Between the sharding a value has and the one an op needs, per mesh axis:
     tiled d  -> replicated : all-gather        tiled d -> tiled d' : all-to-all
     tiled d in blocks <-> tiled d in n chunks (`Sharding.chunks`, a split / concat of n equal parts): all-to-all
     replicated -> tiled    : local slice (free) replicated/partial -> partial : free (one device keeps it)
-    tiled d by (a, b) -> tiled d by (b) or (b, a): all-gather b, then a local slice (`_misplaced`)
+    tiled d by (a, b) -> tiled d by (b) or (b, a): all-gather b, then a local slice (`misplaced`)
 Bytes are per device: for all-reduce and reduce-scatter the (partial) input held, for all-gather the
 gathered output, for all-to-all the local block. The same value resharded to the same sharding by several
 ops is one collective (the compiler's CSE): the first op (in op order) that needs it owns it. Updated
@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from partir_torch.capture.fold import weights
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.sharding import Sharding
 from partir_torch.propagate import MOVES, ShardingState
@@ -82,9 +83,9 @@ def transitions(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: 
                 out.append(("all-reduce", axis, local_numel(shape, cur, mesh) * itemsize // share))
                 share *= mesh.size(axis)
                 cur = _move(cur, axis, None, False)
-    misplaced = _misplaced(src, dst)  # (a sum reduce-scattered lands wherever dst wants it)
+    moved = misplaced(src, dst)  # (a sum reduce-scattered lands wherever dst wants it)
     for axis in mesh.names:  # gathered first, then sliced again in their place (XLA: a full rematerialization)
-        if axis in misplaced:
+        if axis in moved:
             cur = _move(cur, axis, None, axis in cur.partial)
             out.append(("all-gather", axis, local_numel(shape, cur, mesh) * itemsize))
     for axis in _gather_order(cur, dst, mesh.names):
@@ -146,7 +147,7 @@ def _gather_order(src: Sharding, dst: Sharding, names: tuple[str, ...]) -> list[
     return order
 
 
-def _misplaced(src: Sharding, dst: Sharding) -> set[str]:
+def misplaced(src: Sharding, dst: Sharding) -> set[str]:
     """Axes that tile the same dim in `src` and `dst` but not at the same place in its order of axes (after
     where the two orders part): a device's tile is then another block of the dim, so the axis must be
     gathered and sliced again. A dim tiled (a, b) holds block i_a·n_b + i_b; dropping a keeps b only when
@@ -358,6 +359,36 @@ def lower(state: ShardingState) -> list[Collective]:
     for v, src, dst in end_reshards(state):
         add(v, src, dst, -1)
     return out
+
+
+def misplaced_reads(state: ShardingState) -> dict[tuple[str, str], list[tuple[str, Sharding, Sharding, int]]]:
+    """The reshards that gather a value whole because an axis kept on a dim changes its place in the dim's
+    order (`misplaced`), named by the value they re-lay out (a parameter, not its transpose), grouped by
+    (axis kept, axis before it that is dropped): [(value name, held, read, bytes per device a step)], the
+    bytes counted with the fold weight of the reading op."""
+    if not any(len(d) > 1 for sh in state.shard for d in sh.dims):
+        return {}
+    names, relay = state.program.values, relayouts(state.program, state.rules)
+    op_w, own_w = weights(state.program)  # a folded program's element stands for several layers
+    seen: set[tuple[int, Sharding, Sharding]] = set()
+    by: dict[tuple[str, str], list[tuple[str, Sharding, Sharding, int]]] = {}
+    found = [(o, *r) for o in state.active_ops() for r in op_reshards(state, o)]
+    found += [(-1, *r) for r in end_reshards(state)]
+    for o, v, src, dst in found:
+        if not misplaced(src, dst):
+            continue
+        v, src, dst = relayout_root(state.rules, relay, v, src, dst)
+        moved = misplaced(src, dst)
+        if not moved or (v, src, dst) in seen:
+            continue
+        seen.add((v, src, dst))
+        nbytes = (op_w[o] if o >= 0 else own_w[v]) * sum(b for _, _, b in reshard(state, v, src, dst)[0])
+        for d in src.dims:
+            keep = [a for a in d if a in moved]
+            drop = [a for a in d if a not in moved and d.index(a) < max(map(d.index, keep), default=-1)]
+            if keep and drop:
+                by.setdefault((keep[0], drop[0]), []).append((names[v].name, src, dst, nbytes))
+    return by
 
 
 def summarize(collectives: list[Collective]) -> dict[str, dict[str, int]]:

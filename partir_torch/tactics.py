@@ -417,6 +417,27 @@ def warn_fallbacks(state: ShardingState) -> list[str]:
     return msgs
 
 
+def warn_misplaced(state: ShardingState) -> list[str]:
+    """One warning per pair of axes whose order on a shared dim makes reads gather whole
+    (`lower.misplaced_reads`): a schedule's later tactic puts its axis minor on a dim an earlier one tiled, so
+    applying the tactic of the axis read first makes each read a gather of the other alone. Returns them."""
+    from partir_torch.lower import misplaced_reads
+
+    msgs = []
+    for (keep, drop), rows in misplaced_reads(state).items():
+        total = sum(r[3] for r in rows)
+        shown = "; ".join(f"{n} held {s} read {d}" for n, s, d, _ in rows[:3])
+        more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
+        msgs.append(f"axis order: {len(rows)} value(s) are tiled ({drop!r}, {keep!r}) on a dim but read tiled by "
+                    f"{keep!r} without {drop!r} ({shown}{more}): each device's block of the dim changes, so they "
+                    f"are gathered whole and sliced again (these reads move {total / 2**30:.2f} GiB per device a "
+                    f"step); apply the tactic that tiles {keep!r} before the one that tiles {drop!r} (e.g. "
+                    f"'{keep}:Megatron;{drop}:FSDP') so that reading them gathers {drop!r} alone")
+    for m in msgs:
+        warnings.warn(m, stacklevel=3)
+    return msgs
+
+
 def _warn_small_budget(config, entries: list[dict], elapsed: float) -> None:
     """A time budget the search overran (each sub-search runs at least one episode) was too small to search."""
     seconds = config.budget.seconds
@@ -468,4 +489,6 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
     INTERRUPTED.clear()  # consumed: a later search in this process runs in full
     if fallback:
         warn_fallbacks(state)
+    if not all(t.searched for t in tactics):  # a searched plan pays for its axis orders knowingly
+        warn_misplaced(state)
     return state

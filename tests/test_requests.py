@@ -58,6 +58,19 @@ def test_a_plan_that_shards_as_asked_does_not_warn():
         apply_schedule(p, Mesh.parse("batch=2,model=2"), "batch:BatchParallel;model:Megatron")
 
 
+def test_a_schedule_whose_axis_order_makes_reads_gather_whole_warns_with_the_order_that_does_not():
+    m, x, fn = _mlp(batch=8)
+    p = capture(m, x, fn, "adamw")
+    mesh = Mesh.parse("fsdp=2,model=2")
+    with pytest.warns(UserWarning, match=r"axis order: .*tiled \('fsdp', 'model'\) on a dim but read tiled by 'model' "
+                                         r"without 'fsdp' \(0\.weight held P\(\('fsdp', 'model'\), None\) read "
+                                         r"P\('model', None\).*apply the tactic that tiles 'model' before"):
+        apply_schedule(p, mesh, "fsdp:FSDP;model:Megatron")
+    with warnings.catch_warnings():  # the order the warning asks for: reads gather 'fsdp' alone
+        warnings.simplefilter("error")
+        apply_schedule(p, mesh, "model:Megatron;fsdp:FSDP")
+
+
 @pytest.mark.parametrize("budget", [0, -3, "0", "0s", Budget(episodes=0)])
 def test_a_budget_that_is_not_positive_is_an_error(budget):
     with pytest.raises(PartirError, match="must be positive"):

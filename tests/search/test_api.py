@@ -210,7 +210,7 @@ def test_three_and_four_axis_meshes_plan_at_least_as_well_as_the_expert_composit
     hw = hardware("tpu-v5p")
     *batch, model = mesh.names
     slow = [a for a in batch if a in dcn]
-    expert = ";".join([*(f"{a}:DP" for a in slow), "fsdp:FSDP", f"{model}:Megatron"])
+    expert = ";".join([f"{model}:Megatron", *(f"{a}:DP" for a in slow), "fsdp:FSDP"])  # model major on shared dims
     ref = evaluate(apply_schedule(wide_llama, mesh, expert), hw, dcn_axes=dcn)
     cfg = SearchConfig(hw, dcn, None, 0, Budget(episodes=80))
     state = apply_schedule(wide_llama, mesh, [Auto()], search=cfg)
