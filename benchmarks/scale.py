@@ -42,7 +42,7 @@ SCENARIOS = {
             "Llama-2-70B, tpu-v5p x 2048 {data:16 DCN, fsdp:16, model:8}"),
     "L70-8k": ("llama2-70b", {"batch": "1024"}, "tpu-v5p", "pod=4:dcn,data=16:dcn,fsdp=16,model=8", "15s", 20.0,
                "Llama-2-70B, tpu-v5p x 8192 {pod:4 DCN, data:16 DCN, fsdp:16, model:8}"),
-    "L8": ("llama3-8b", {}, "h100-sxm", "data=8:dcn,model=8", "1s", 5.0,
+    "L8": ("llama3-8b", {}, "h100-sxm", "data=8:dcn,model=8", "0.5s", 5.0,
            "Llama-3-8B, h100-sxm x 64 {data:8 IB, model:8}"),
     "L405": ("llama3-405b", {}, "tpu-v5p", "pod=4:dcn,data=8:dcn,fsdp=16,model=16", "17s", None,
              "Llama-3-405B, tpu-v5p x 8192 {pod:4 DCN, data:8 DCN, fsdp:16, model:16}, memory not limited"),
