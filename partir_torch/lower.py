@@ -364,8 +364,8 @@ def lower(state: ShardingState) -> list[Collective]:
 def misplaced_reads(state: ShardingState) -> dict[tuple[str, str], list[tuple[str, Sharding, Sharding, int]]]:
     """The reshards that gather a value whole because an axis kept on a dim changes its place in the dim's
     order (`misplaced`), named by the value they re-lay out (a parameter, not its transpose), grouped by
-    (axis kept, axis before it that is dropped): [(value name, held, read, bytes per device a step)], the
-    bytes counted with the fold weight of the reading op."""
+    (the axis the read wants further ahead, the axis held ahead of it): [(value name, held, read, bytes per
+    device a step)], the bytes counted with the fold weight of the reading op."""
     if not any(len(d) > 1 for sh in state.shard for d in sh.dims):
         return {}
     names, relay = state.program.values, relayouts(state.program, state.rules)
@@ -383,11 +383,11 @@ def misplaced_reads(state: ShardingState) -> dict[tuple[str, str], list[tuple[st
             continue
         seen.add((v, src, dst))
         nbytes = (op_w[o] if o >= 0 else own_w[v]) * sum(b for _, _, b in reshard(state, v, src, dst)[0])
-        for d in src.dims:
-            keep = [a for a in d if a in moved]
-            drop = [a for a in d if a not in moved and d.index(a) < max(map(d.index, keep), default=-1)]
-            if keep and drop:
-                by.setdefault((keep[0], drop[0]), []).append((names[v].name, src, dst, nbytes))
+        for s, d in zip(src.dims, dst.dims):
+            first = next((a for a in d if a in moved), None)  # the axis the read wants further ahead
+            before = s[:s.index(first)] if first in s else ()
+            if before:
+                by.setdefault((first, before[-1]), []).append((names[v].name, src, dst, nbytes))
     return by
 
 

@@ -424,15 +424,15 @@ def warn_misplaced(state: ShardingState) -> list[str]:
     from partir_torch.lower import misplaced_reads
 
     msgs = []
-    for (keep, drop), rows in misplaced_reads(state).items():
+    for (keep, ahead), rows in misplaced_reads(state).items():
         total = sum(r[3] for r in rows)
         shown = "; ".join(f"{n} held {s} read {d}" for n, s, d, _ in rows[:3])
         more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
-        msgs.append(f"axis order: {len(rows)} value(s) are tiled ({drop!r}, {keep!r}) on a dim but read tiled by "
-                    f"{keep!r} without {drop!r} ({shown}{more}): each device's block of the dim changes, so they "
-                    f"are gathered whole and sliced again (these reads move {total / 2**30:.2f} GiB per device a "
-                    f"step); apply the tactic that tiles {keep!r} before the one that tiles {drop!r} (e.g. "
-                    f"'{keep}:Megatron;{drop}:FSDP') so that reading them gathers {drop!r} alone")
+        msgs.append(f"axis order: {len(rows)} value(s) are held tiled by {ahead!r} ahead of {keep!r} on a dim but "
+                    f"read with {keep!r} further ahead ({shown}{more}): each device's block of the dim changes, so "
+                    f"they are gathered whole and sliced again (these reads move {total / 2**30:.2f} GiB per device "
+                    f"a step); apply the tactic that tiles {keep!r} before the one that tiles {ahead!r} (e.g. "
+                    f"'{keep}:Megatron;{ahead}:FSDP'), so that {keep!r} is the major axis of the dim")
     for m in msgs:
         warnings.warn(m, stacklevel=3)
     return msgs

@@ -62,9 +62,10 @@ def test_a_schedule_whose_axis_order_makes_reads_gather_whole_warns_with_the_ord
     m, x, fn = _mlp(batch=8)
     p = capture(m, x, fn, "adamw")
     mesh = Mesh.parse("fsdp=2,model=2")
-    with pytest.warns(UserWarning, match=r"axis order: .*tiled \('fsdp', 'model'\) on a dim but read tiled by 'model' "
-                                         r"without 'fsdp' \(0\.weight held P\(\('fsdp', 'model'\), None\) read "
-                                         r"P\('model', None\).*apply the tactic that tiles 'model' before"):
+    with pytest.warns(UserWarning, match=r"axis order: .*held tiled by 'fsdp' ahead of 'model' on a dim but read with "
+                                         r"'model' further ahead \(0\.weight held P\(\('fsdp', 'model'\), None\) read "
+                                         r"P\('model', None\).*apply the tactic that tiles 'model' before the one "
+                                         r"that tiles 'fsdp'"):
         apply_schedule(p, mesh, "fsdp:FSDP;model:Megatron")
     with warnings.catch_warnings():  # the order the warning asks for: reads gather 'fsdp' alone
         warnings.simplefilter("error")
