@@ -6,9 +6,9 @@ every axis the earlier tactics left free. Several axes are searched one after th
 share of the budget, from the state the previous one left ("incremental", the method's), or all in one
 tree ("joint"); `benchmarks/search.py` measures both. They land in different basins on different models
 (incremental is better on GPT 6.7B, joint on GPT-2-XL and the MoE), so the default ("both") gives each
-40 % of the budget, then spends the last 20 % on the MCTS refinement (prune, then hill-climb; see `mcts.py`)
-from both plans, over all the axes at once, and keeps the best. No name is read anywhere: the action space
-comes from roles and groups (`space.py`).
+30 % of the budget, then spends the last 40 % on the MCTS refinement (prune, then hill-climb; see `mcts.py`)
+from both plans and from the expert composites (`seeds.py`), over all the axes at once, and keeps the best.
+No name is read anywhere: the action space comes from roles and groups (`space.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from partir_torch.search.baselines import ALGORITHMS
 from partir_torch.search.budget import Budget, Result
 from partir_torch.search.goals import KINDS, Evaluator, check_goal
 from partir_torch.search.mcts import MCTS
+from partir_torch.search.seeds import composites
 from partir_torch.tactics import Context, apply_schedule, parse_schedule, register_tactic, wants_fallback
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class Auto:
 
     axes: tuple[str, ...] | None = None
     goal: str = "time"
-    mode: str = "both"  # incremental | joint | both (40 % of the budget each, then a refinement from both)
+    mode: str = "both"  # incremental | joint | both (30 % of the budget each, then a refinement from both)
     searched: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
@@ -102,11 +103,10 @@ class Auto:
             config.trace.append(list(res.actions))
             return res.state.copy()
         if self.mode == "both" and len(axes) > 1:
-            # the two orders of search fall into different basins (benchmarks/search.py): run both (40 % of the
-            # budget each), then refine from the plans of both (the last 20 %) and keep the best
-            share = config.budget.split(5)
-            part = Budget(None if share.episodes is None else 2 * share.episodes,
-                          None if share.seconds is None else 2 * share.seconds)
+            # the two orders of search fall into different basins (benchmarks/search.py): run both (30 % of the
+            # budget each), then refine from the plans of both and from the expert composites (`seeds.py`; the
+            # last 40 %) and keep the best
+            part, share = config.budget.share(0.3), config.budget.share(0.4)
             ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, self.goal)
             runs = []
             for mode in ("incremental", "joint"):
@@ -121,7 +121,9 @@ class Auto:
                 config.log.extend(r[3])
             if config.algorithm != "mcts":
                 return best
-            res = polish(state, axes, self.goal, config, share, [r[4] for r in runs])
+            experts = [a for _, a in composites(state, axes, config.dcn_axes)] \
+                if KINDS[self.goal] >= {"input", "param", "optimizer"} else []  # where the goal allows their moves
+            res = polish(state, axes, self.goal, config, share, [r[4] for r in runs] + experts)
             taken = ev.key(ev.report(res.state)) <= min(r[0] for r in runs)
             if taken:
                 best = res.state.copy()

@@ -56,8 +56,12 @@ class Budget:
         return out
 
     def split(self, k: int) -> Budget:
-        return Budget(None if self.episodes is None else max(1, self.episodes // k),
-                      None if self.seconds is None else self.seconds / k)
+        return self.share(1 / k)
+
+    def share(self, f: float) -> Budget:
+        """`f` of this budget (at least one episode)."""
+        return Budget(None if self.episodes is None else max(1, int(self.episodes * f + 1e-9)),
+                      None if self.seconds is None else self.seconds * f)
 
 
 @dataclass

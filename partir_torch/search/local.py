@@ -134,7 +134,8 @@ class LocalSearch:
         """Local search from the best plans found (see the module docstring): each is pruned, then hill-climbed;
         the best result, in the goal's order with the `simplicity` margin, becomes the answer.
 
-        `starts`: action lists (from the root) to refine as well, e.g. the plans of other searches."""
+        `starts`: action lists (from the root) to refine as well, e.g. the plans of other searches. Replaying
+        them is charged to the deadline, not to `max_evals` (the climbs' budget)."""
         applied0 = self.plans.applied  # the refinement's budget unit: actions applied (and propagated)
 
         def spent() -> bool:
@@ -144,11 +145,14 @@ class LocalSearch:
         pool = sorted(self.elite.values(), key=lambda e: e[0])
         plans: list[Plan] = []
         for acts in starts or []:
+            if spent():  # the starts are tried in the order given
+                break
             s = self.plans.replay(acts)
             if s is not None:
                 k, _ = self.ev.score(s, frozenset(acts))
                 self.consider(k, s, list(acts))
                 plans.append((k, s, list(acts)))
+        applied0 = self.plans.applied
         plans = sorted(plans + pool, key=lambda e: e[0])
         seen: set[Fingerprint] = set()  # starts, and plans already hill-climbed
         ref = self.best[0]  # prune towards the best step time found

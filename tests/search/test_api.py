@@ -14,7 +14,7 @@ from partir_torch.ir import Mesh, Role
 from partir_torch.models.renamed import renamed
 from partir_torch.plan import ShardingPlan
 from partir_torch.search import Auto, InfeasibleError, search
-from partir_torch.tactics import ScheduleError, apply_schedule, linears, megatron_pairs, parse_schedule
+from partir_torch.tactics import ScheduleError, apply_schedule, parse_schedule
 
 
 def test_schedule_text_with_auto():
@@ -71,31 +71,31 @@ def test_infeasible_search_reports_the_best_plan_and_what_would_help():
         search(model, inputs, "batch=2", loss_fn=loss_fn, memory=1024, budget=10)
 
 
-def test_search_recovers_megatron_x_dp_on_a_renamed_model():
+def test_search_on_a_renamed_model_finds_the_same_plan_and_beats_the_expert():
     """S2 in small: the GPT 6.7B architecture at 4 layers of width 2048, h100 x 32, batch axis across nodes,
-    2.5 GiB per device so that data parallelism does not fit; no name carries meaning."""
+    2.5 GiB per device so that data parallelism does not fit. No name carries meaning: with every module and
+    parameter renamed the search returns the same plan, parameter by parameter, and it beats the expert's
+    Megatron x DP + ZeRO-1. (It is FSDP-like on `model`, 10 % faster than the expert under the cost model;
+    before the expert composites started the refinement, `seeds.py`, it found a Megatron-like plan 9 % faster.)"""
     cfg = dict(layers="4", width="2048", heads="16", vocab="2048", seq="1024", batch="32")
-    model, inputs, loss_fn = models.build("gpt-6.7b", cfg)
-    model = renamed(model)
-    assert not any(w in n for n, _ in model.named_parameters() for w in ("proj", "attn", "mlp", "wte", "fc", "h."))
     mesh = Mesh.parse("batch=4,model=8")
-    plan = search(model, inputs, mesh, loss_fn=loss_fn, hardware="h100-sxm", dcn_axes=("batch",),
-                  memory=2.5 * 2**30, budget=120, seed=0)
+    plans = []
+    for rename in (False, True):
+        model, inputs, loss_fn = models.build("gpt-6.7b", cfg)
+        if rename:
+            model = renamed(model)
+            assert not any(w in n for n, _ in model.named_parameters()
+                           for w in ("proj", "attn", "mlp", "wte", "fc", "h."))
+        plans.append(search(model, inputs, mesh, loss_fn=loss_fn, hardware="h100-sxm", dcn_axes=("batch",),
+                            memory=2.5 * 2**30, budget=120, seed=0, cache=False))
+    plain, plan = plans
+    assert list(plan.params.values()) == list(plain.params.values()) and plan.inputs == plain.inputs
     assert plan.cost["feasible"]
     program = capture(model, inputs, loss_fn, "adamw", fold=True)
     expert = evaluate(apply_schedule(program, mesh, "batch:DP;model:Megatron;batch:ZeRO(1)"), hardware("h100-sxm"),
                       dcn_axes=frozenset({"batch"}))
-    assert plan.cost["step_time_s"] <= expert.step_time_s * 1.01
-    rules = apply_schedule(program, mesh, "batch:DP").rules
-    lin = linears(program, rules)
-    pairs = megatron_pairs(program, rules)
-    assert len(pairs) >= 8  # attention (q, k, v -> out) and MLP (fc -> proj) in each of the 2 folded layers
-    for col, row in pairs:
-        w1, out1, _ = lin[col]
-        w2, _, in2 = lin[row]
-        s1, s2 = plan.params[program.values[w1].name], plan.params[program.values[w2].name]
-        assert "model" in str(s1[out1]), (program.values[w1].name, s1)  # column-parallel
-        assert "model" in str(s2[in2]), (program.values[w2].name, s2)  # row-parallel
+    assert plan.cost["step_time_s"] <= expert.step_time_s * 0.95
+    assert sum("model" in str(spec) for spec in plan.params.values()) >= len(plan.params) // 2  # model-parallel
     assert plan.inputs[0][0] == "batch" or "batch" in (plan.inputs[0][0] or [])  # batch parallel
 
 

@@ -1,0 +1,81 @@
+"""Expert composites as starting plans: the tactic library written in the search's own actions.
+
+The refinement of `Auto` "both" climbs from the plans of its two tree searches; a short budget on a large mesh
+can leave both in a basin worse than what an engineer would write by hand (Megatron on one axis, data
+parallelism, FSDP or ZeRO-1 on the others). So the refinement also starts from those composites, each one a
+plan of the search space (its actions are `Tile`s of parameter groups and inputs and the `ShardOptimizer("*")`
+move), found from the program's structure as the tactics find them (`tactics.megatron_pairs`: no name is
+read). Every composite is judged by the same cost model, and the local search moves on from the best ones;
+the answer is never worse than the best composite that fits, and usually better (docs/scale.md).
+
+Roles per axis: `dp` (tile every input's batch dim), `fsdp` (dp, then ZeRO-3 of every parameter), `zero1`
+(dp, then ZeRO-1), `megatron` (column/row pairs of linears); at most one axis is `megatron`, and an axis over
+DCN takes only `dp` or `zero1` (what the hierarchical plans engineers write put there: the gradients'
+reduction, no per-layer gather or activation all-reduce; the search may still move away from it). Actions are
+returned in the plan's canonical order (`space.rank`), so a Megatron tile is the major axis of a dim that a
+ZeRO move also tiles.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from partir_torch.ir.actions import Tile
+from partir_torch.ir.sharding import divides
+from partir_torch.propagate import ShardingState
+from partir_torch.search.space import Action, ShardOptimizer, rank, state_slots
+from partir_torch.tactics import linears, megatron_pairs
+
+ROLES = ("dp", "fsdp", "zero1", "megatron")
+
+
+def _megatron(state: ShardingState, axis: str) -> list[Action]:
+    """One tile per column/row weight, on its parameter slot (a group's key: every repeat at once)."""
+    p = state.program
+    slot_of: dict[str, str] = {}
+    for s in state_slots(state):
+        if s.kind != "param":
+            continue
+        group = next((g for g in p.groups if g.key == s.target), None)
+        for name in (group.params if group is not None else [s.target]):
+            slot_of[name] = s.target
+    lin = linears(p, state.rules)
+    out: dict[tuple[str, int], Action] = {}
+    for col, row in megatron_pairs(p, state.rules):
+        for w, d in ((lin[col][0], lin[col][1]), (lin[row][0], lin[row][2])):
+            target = slot_of.get(p.values[w].name)
+            if target is not None and divides(p.values[w].shape[d], state.mesh, (axis,)):
+                out.setdefault((target, d), Tile(target, d, axis))
+    return list(out.values())
+
+
+def _dp(state: ShardingState, axis: str) -> list[Action]:
+    p = state.program
+    return [Tile(p.values[v].name, 0, axis) for v in p.inputs
+            if p.values[v].shape and divides(p.values[v].shape[0], state.mesh, (axis,))]
+
+
+def composites(state: ShardingState, axes: tuple[str, ...], dcn_axes: frozenset[str] = frozenset()
+               ) -> list[tuple[str, list[Action]]]:
+    """(name like `data:dp,model:megatron`, actions in canonical order) for every assignment of roles to
+    `axes` (see the module docstring); assignments a program cannot take (no batch dim divides, no column/row
+    pair) are left out."""
+    p = state.program
+    per_role: dict[tuple[str, str], list[Action] | None] = {}
+    for a in axes:
+        dp = _dp(state, a)
+        mega = _megatron(state, a)
+        per_role[a, "dp"] = dp or None
+        per_role[a, "fsdp"] = [*dp, ShardOptimizer("*", -1, a, 3)] if dp and p.opt_states else None
+        per_role[a, "zero1"] = [*dp, ShardOptimizer("*", -1, a, 1)] if dp and p.opt_states else None
+        per_role[a, "megatron"] = mega or None
+    out = []
+    for roles in itertools.product(ROLES, repeat=len(axes)):
+        if roles.count("megatron") > 1 or any(a in dcn_axes and r in ("fsdp", "megatron") for a, r in zip(axes, roles)):
+            continue
+        parts = [per_role[a, r] for a, r in zip(axes, roles)]
+        if any(x is None for x in parts):
+            continue
+        acts = sorted((x for part in parts for x in part), key=lambda x: rank(p, x))  # stable: axes in order
+        out.append((",".join(f"{a}:{r}" for a, r in zip(axes, roles)), acts))
+    return out
