@@ -138,14 +138,16 @@ class LocalSearch:
         them is charged to the deadline, not to `max_evals` (the climbs' budget)."""
         applied0 = self.plans.applied  # the refinement's budget unit: actions applied (and propagated)
 
+        def late() -> bool:
+            return (deadline is not None and time.perf_counter() >= deadline) or INTERRUPTED.is_set()
+
         def spent() -> bool:
-            return ((deadline is not None and time.perf_counter() >= deadline) or INTERRUPTED.is_set()
-                    or (max_evals is not None and self.plans.applied - applied0 >= max_evals))
+            return late() or (max_evals is not None and self.plans.applied - applied0 >= max_evals)
 
         pool = sorted(self.elite.values(), key=lambda e: e[0])
         plans: list[Plan] = []
         for acts in starts or []:
-            if spent():  # the starts are tried in the order given
+            if late():  # the starts are tried in the order given
                 break
             s = self.plans.replay(acts)
             if s is not None:
