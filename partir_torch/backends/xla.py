@@ -160,12 +160,16 @@ def _to_device(t: torch.Tensor, mesh, spec: list | None) -> torch.Tensor:
 
     if t.dim() == 0:  # a scalar: replicated, nothing to split
         return t.detach().to(torch_xla.device())
-    if t.dim() == 1 and t.device.type != "xla":  # torch_xla 2.9 cannot transfer a partially tiled 1-D tensor
-        t = t.detach().to(torch_xla.device())  # by shards (an IndexError); vectors are small: move, then split
+    spec_t = _spec(spec, t.dim())
+    used = {a for e in spec_t if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    if t.device.type != "xla" and all(e is not None for e in spec_t) and len(used) < len(mesh.axis_names):
+        # torch_xla 2.9 cannot transfer by shards a tensor tiled on every dim and replicated over another axis
+        # (an IndexError: tests/backends/test_xla_known_bugs.py): move it whole, then split it on the device
+        t = t.detach().to(torch_xla.device())
     if t.device.type == "xla":
-        _mark(t, mesh, _spec(spec, t.dim()))
+        _mark(t, mesh, spec_t)
         return t
-    sharding = xs.ShardingSpec(mesh, _spec(spec, t.dim()))
+    sharding = xs.ShardingSpec(mesh, spec_t)
     return xm.send_cpu_data_to_device([t.detach().cpu()], torch_xla.device(), sharding)[0]
 
 

@@ -129,6 +129,23 @@ def test_a_zero_plan_holds_sharded_optimizer_states_on_the_device():
     partir_torch.unshard(model)
 
 
+def test_a_weight_tiled_on_every_dim_with_an_axis_left_over_is_placed_whole_and_right():
+    """torch_xla cannot send such a tensor by shards (tests/backends/test_xla_known_bugs.py): it is moved whole,
+    then split; its values and sharding on the device are the plan's."""
+    from partir_torch.backends.xla import sharding_of
+    from partir_torch.tactics import Manual
+
+    model, batch = _tagger()
+    want = model.mix[1].weight.detach().clone()
+    model, _ = partir_torch.auto_shard(model, batch, {"batch": 2, "model": 2, "x": 2}, loss_fn=tagger_loss,
+                                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                       schedule=[Manual({"mix.1.weight": ["x", "batch"]})])
+    w = model.mix[1].weight
+    assert model.partir_plan.params["mix.1.weight"] == ["x", "batch"]
+    assert "last_tile_dim_replicate" in sharding_of(w) and torch.equal(w.detach().cpu(), want)
+    partir_torch.unshard(model)
+
+
 def test_a_meta_model_is_materialized_sharded_without_a_full_host_copy():
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -51,3 +51,28 @@ def test_moe_experts_with_these_weight_shardings_compute_what_cpu_computes():
                    "tiny-moe plan on {batch:2, model:2, x:2}; docs/apply.md)")
 def test_moe_experts_with_a_weight_tiled_batch_then_x_compute_what_cpu_computes():
     assert _moe_experts(("model", ("batch", "x"), None), (("model", "batch"), None, "x")) < 1e-5
+
+
+def _send_by_shards(shape: tuple[int, ...], spec: tuple) -> bool:
+    """Is a host tensor sent to the device by shards (`xm.send_cpu_data_to_device` with a sharding) on a (2, 2, 2)
+    mesh read back equal?"""
+    import numpy as np
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.Mesh(np.arange(8), (2, 2, 2), ("batch", "model", "x"))
+    t = torch.arange(int(np.prod(shape)), dtype=torch.float32).reshape(shape)
+    return torch.equal(xm.send_cpu_data_to_device([t], torch_xla.device(), xs.ShardingSpec(mesh, spec))[0].cpu(), t)
+
+
+def test_a_tensor_tiled_on_some_dims_or_over_every_axis_is_sent_by_shards():
+    """The control for the bug below."""
+    assert _send_by_shards((8, 4, 2), ("x", None, "batch")) and _send_by_shards((8, 4), (("batch", "model"), "x"))
+
+
+@pytest.mark.xfail(strict=True, raises=IndexError, reason="torch_xla 2.9 cannot send by shards a tensor tiled on "
+                   "every dim and replicated over another mesh axis ('too many indices'; found on searched tiny-unet "
+                   "and tiny-gns plans on {batch:2, model:2, x:2}); backends/xla.py moves such a tensor whole first")
+def test_a_tensor_tiled_on_every_dim_and_replicated_over_an_axis_is_sent_by_shards():
+    assert _send_by_shards((8, 4), ("x", "batch"))
