@@ -110,15 +110,16 @@ def transitions(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: 
 
 def fused(src: Sharding, dst: Sharding, steps) -> dict[str, int]:
     """{kind: bytes per device} of one reshard's `transitions` steps as an SPMD compiler (XLA) emits them:
-    the reduction over several axes one collective over their devices (at its largest step's bytes, under
-    its first step's kind), the gathers off one dim one all-gather (its last step's output). What `verify`
-    holds against the compiled HLO; the time model keeps the per-axis steps (the same bytes cross the
-    links either way)."""
+    the reduction over several axes of one kind one collective over their devices (at its largest step's
+    bytes), the gathers off one dim one all-gather (its last step's output). A sum reduced to a tiling over
+    some of its axes (a reduce-scatter over `batch`, an all-reduce over `model`) stays two collectives.
+    What `verify` holds against the compiled HLO; the time model keeps the per-axis steps (the same bytes
+    cross the links either way)."""
     out: dict[str, int] = {}
     groups: dict[object, tuple[str, int]] = {}
     for kind, axis, nbytes in steps:
         if kind in ("reduce-scatter", "all-reduce"):
-            key: object = "sum"
+            key: object = kind
         elif kind == "all-gather":
             key = ("gather", src.dim_of(axis))
         else:

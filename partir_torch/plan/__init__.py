@@ -20,7 +20,7 @@ from partir_torch.cost.hardware import format_bytes
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.sharding import divides, tile_count
-from partir_torch.plan.reads import module_inputs, module_outputs, param_reads
+from partir_torch.plan.reads import module_inputs, module_outputs, output_shardings, param_reads
 from partir_torch.propagate import ShardingState
 
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
@@ -76,8 +76,8 @@ def specs(state: ShardingState) -> PlanSpecs:
         [state.shard[v].to_spec() for v in p.inputs],
         expand({n: {s: state.shard[v].to_spec() for s, v in st.items() if s not in p.shared_states}
                 for n, st in p.opt_states.items()}),
-        {k.removesuffix("."): spec for path, v in module_outputs(p).items()
-         for k in full_names(path + ".", fold) for spec in [state.shard[v].to_spec()]},
+        {k.removesuffix("."): spec for path, sh in output_shardings(state).items()
+         for k in full_names(path + ".", fold) for spec in [sh.to_spec()]},
         expand({n: state.shard[v].to_spec() for n, v in p.grads.items()}),
         {k.removesuffix("."): [need.to_spec(), grad.to_spec() if grad is not None else None]
          for path, (_, need, grad) in module_inputs(state).items() for k in full_names(path + ".", fold)},
@@ -251,6 +251,8 @@ class ShardingPlan:
             wanted += [(f"output of module {m}", outs.get(m), s) for m, s in self.activations.items()]
             problems += [f"{what} is not in the captured program" for what, v, _ in wanted if v is None]
             for what, v, spec in wanted:
+                if v is not None and state.shard[v].partial and v in outs.values():
+                    continue  # a pending sum's spec is where its readers reduce it to (`reads.output_shardings`)
                 for d, entry in enumerate(spec if v is not None else ()):
                     for axis in [] if entry is None else [entry] if isinstance(entry, str) else entry:
                         if axis in state.shard[v].dims[d]:

@@ -52,6 +52,24 @@ def module_outputs(program) -> dict[str, int]:
     return {p: v for p, v in out.items() if calls.get(p, 1) <= 1}
 
 
+def output_shardings(state: ShardingState) -> dict[str, Sharding]:
+    """{module path: the sharding a backend constrains its output (and the output's gradient) to}: the
+    output's sharding, or, when that is a pending sum (a row-parallel linear's), the one sharding its
+    readers reduce it to. A pending sum has no spec: constrained as its dims alone it would be all-reduced
+    to replicated at the module's end, and the engine would then gather the other operands of its readers
+    to meet it (a GPT's residual add under a plan that reduce-scatters the MLP's output). Sums its readers
+    take in several shardings are left unconstrained."""
+    program = state.program
+    out: dict[str, Sharding] = {}
+    for path, v in module_outputs(program).items():
+        sh = state.shard[v]
+        if sh.partial:
+            sh = _read_as(state, v, set(program.users[v]))
+        if sh is not None:
+            out[path] = sh
+    return out
+
+
 def module_inputs(state: ShardingState) -> dict[str, tuple[int, Sharding, Sharding | None]]:
     """{module path: (its input value, the sharding the module reads it in, the sharding of the gradient it
     sends back for it or None)} where the plan reshards a module's
