@@ -116,3 +116,7 @@ def test_gathers_off_one_dim_go_minor_axis_first_and_fuse_as_one():
     summed = Sharding(((), ()), frozenset({"batch", "model"}))
     steps = transitions(summed, Sharding.replicated(2), (64, 32), 4, mesh)
     assert len(steps) == 2 and fused(summed, Sharding.replicated(2), steps) == {"all-reduce": FULL}
+    batch_rows = Sharding((("batch",), ()))  # a sum reduced to a tiling over one of its axes: two collectives
+    steps = transitions(summed, batch_rows, (64, 32), 4, mesh)
+    assert {k for k, _, _ in steps} == {"reduce-scatter", "all-reduce"}
+    assert fused(summed, batch_rows, steps) == {"reduce-scatter": FULL, "all-reduce": FULL // 2}

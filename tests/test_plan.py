@@ -150,3 +150,24 @@ def test_parameters_an_fsdp_plan_gathers_for_use_are_read_as_gathered_tied_ones_
     assert "emb.weight" in stored_tiled and not any(plan.param_reads["emb.weight"])
     assert "out.weight" not in plan.param_reads  # (one parameter: its first name)
     assert ShardingPlan.from_json(json.loads(json.dumps(plan.to_json()))).param_reads == plan.param_reads
+
+
+def test_a_module_output_that_is_a_pending_sum_is_constrained_as_its_reader_reduces_it():
+    """The MLP's row-parallel output over `(model, batch)` is a sum pending over both axes; the residual add
+    reads it batch-tiled (a reduce-scatter over batch, an all-reduce over model). Its constraint is that
+    tiling, not its dims alone (replicated: the engine would all-reduce it whole and gather the residual)."""
+    from partir_torch.plan.reads import module_outputs
+    from partir_torch.tactics import BatchParallel, Manual
+
+    net, inputs, loss_fn = models.build("tiny-gpt2", {"batch": "8"}, device="meta")
+    program = capture(net, inputs, loss_fn, "adamw")
+    mesh = Mesh.parse("batch=2,model=4")
+    mlp = {"h.*.mlp.c_fc.weight": [["model", "batch"], None], "h.*.mlp.c_fc.bias": [["model", "batch"]],
+           "h.*.mlp.c_proj.weight": [None, ["model", "batch"]]}
+    state = apply_schedule(program, mesh, [Manual(mlp), BatchParallel("batch")])
+    out = module_outputs(state.program)["h.0.mlp"]
+    assert state.shard[out].partial == {"batch", "model"}
+    plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="manual")
+    assert plan.activations["h.0.mlp"] == ["batch", None, None]
+    rebuilt = ShardingPlan.from_json(json.loads(json.dumps({**plan.to_json(), "schedule": "searched: Auto"})))
+    assert rebuilt.to_state(program).shard[out].partial == {"batch", "model"}  # rebuilt as it was searched
