@@ -5,8 +5,9 @@ can leave both in a basin worse than what an engineer would write by hand (Megat
 parallelism, FSDP or ZeRO-1 on the others). So the refinement also starts from those composites, each one a
 plan of the search space (its actions are `Tile`s of parameter groups and inputs and the `ShardOptimizer("*")`
 move), found from the program's structure as the tactics find them (`tactics.megatron_pairs`: no name is
-read). Every composite is judged by the same cost model, and the local search moves on from the best ones;
-the answer is never worse than the best composite that fits, and usually better (docs/scale.md).
+read). Every composite is judged by the same cost model, and the local search moves on from the best ones:
+the answer is at most the refinement's simplicity margin above the best composite that fits (once the budget
+has let them be replayed), and usually better (docs/scale.md).
 
 Roles per axis: `dp` (tile every input's batch dim), `fsdp` (dp, then ZeRO-3 of every parameter), `zero1`
 (dp, then ZeRO-1), `megatron` (column/row pairs of linears); at most one axis is `megatron`, and an axis over
