@@ -139,9 +139,11 @@ def _refresh(state: ShardingState, st: Static, memo: Memo) -> Cache:
 
 
 
-def _winners(state: ShardingState, st: Static, memo: Memo, cache: Cache) -> tuple[np.ndarray, np.ndarray]:
-    """(slots, move ids) of `lower`'s reshards, in its order: every slot whose value's sharding is not the
-    one needed there, the first of each (value, to) only."""
+def _winners(state: ShardingState, st: Static, memo: Memo, cache: Cache
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slots, move ids, last ops) of `lower`'s reshards, in its order: every slot whose value's sharding is
+    not the one needed there, the first of each (value, to) only; with the op of the last slot that reads
+    the same (value, to) (-1: the end of the step), up to which the first's output stays live."""
     sid, need = cache.sid, cache.need
     have = sid[st.slot_val]
     mm = np.flatnonzero(have != need)
@@ -175,10 +177,13 @@ def _winners(state: ShardingState, st: Static, memo: Memo, cache: Cache) -> tupl
     keep = np.empty(len(sk), dtype=bool)
     keep[:1] = True
     np.not_equal(sk[1:], sk[:-1], out=keep[1:])
-    first = order[keep]
-    first.sort()
-    win = mm[first]
-    return win, memo.slot_move[win]
+    ends = np.empty(len(sk), dtype=bool)
+    ends[-1:] = True
+    ends[:-1] = keep[1:]
+    first, last = order[keep], order[ends]  # (stable: each group's slots in slot order)
+    by = np.argsort(first, kind="stable")
+    win = mm[first[by]]
+    return win, memo.slot_move[win], st.slot_op_arr[mm[last[by]]]
 
 
 def evaluate(state: ShardingState, hw: Hardware, *, dcn_axes: frozenset[str] = frozenset(),
@@ -228,7 +233,7 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
         compute, flops_total = 0.0, 0.0
 
     # communication
-    win, moves = _winners(state, st, memo, cache)
+    win, moves, last = _winners(state, st, memo, cache)
     colls = memo.collectives(st, win, moves)
     by_axis: dict[str, float] = {}
     comm_bytes: dict[str, dict[str, int]] = {}
@@ -258,8 +263,20 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
         ops = st.slot_op_arr[win]
         ag = memo.m_ag.a[moves]
         has = np.flatnonzero((ag > 0) & (ops >= 0))
-        if len(has):
-            np.add.at(temps, ops[has], ag[has])
+        if len(has):  # a gathered copy lives from the op that gathers to the last that reads it (a backward
+            # op: autograd saved it; in a folded block, all its elements' copies, as an activation's)
+            a0, b, w = ops[has], ag[has], st.slot_w[win][has]
+            a1 = np.maximum(st.view_end[np.maximum(last[has], a0)], st.view_end[a0])
+            d = np.zeros(n_ops + 1, dtype=np.int64)
+            np.add.at(d, a0, b)
+            np.add.at(d, a1 + 1, -b)
+            many = np.flatnonzero((w > 1) & (st.op_bwd[a1] & ~st.op_bwd[a0]))
+            if len(many):
+                start = np.array([st.fwd_span.get(int(x), int(y)) for x, y in zip(w[many], a0[many])], dtype=np.int64)
+                extra = (w[many] - 1) * b[many]
+                np.add.at(d, np.minimum(start, a0[many]), extra)
+                np.add.at(d, a1[many] + 1, -extra)
+            temps = np.cumsum(d[:n_ops])
 
     # memory by liveness
     base = int((lb[st.pers_vid] * st.pers_w).sum())

@@ -20,8 +20,9 @@ its fold weight (element 1 of a folded container stands for elements 1..N-1).
 Step time = compute + communication (no overlap is modelled: an upper bound; see docs/cost-model.md).
 Memory, per device, by liveness over the op order: parameters, buffers, optimizer states and inputs live
 the whole step; updated values reuse their input's buffer (donation); gradients and activations live from
-their producing op to their last use; views (transposes, reshapes, broadcasts) alias their base; a
-collective's output buffer is a temporary at the op that needs it; attention saves its log-sum-exp for the
+their producing op to their last use; views (transposes, reshapes, broadcasts) alias their base; an
+all-gather's output lives from the op that needs it to the last op that reads the same gathered value (a
+weight gathered in the forward and saved by autograd: into the backward); attention saves its log-sum-exp for the
 backward (a flash kernel) or, on hardware without one (`Hardware.flash_attention`), its [B, H, T, S]
 probabilities. The peak and its top contributors are reported; a plan above the device memory (or the
 user's limit) is infeasible.

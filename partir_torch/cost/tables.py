@@ -134,6 +134,20 @@ class Static:
             if op_w[op.id] > 1:
                 sp = span.setdefault((op.phase, op_w[op.id]), [op.id, op.id])
                 sp[1] = op.id
+        self.fwd_span = {w: sp[0] for (phase, w), sp in span.items() if phase is Phase.FORWARD}  # folded blocks
+        # per op: its last position, or for a view op, the last use of the views made from its result (a
+        # gathered weight's transposed view, read again by the backward, keeps the gathered copy alive)
+        vend = [-1] * n_vals
+        self.view_end = np.arange(n_ops, dtype=np.int64)
+        for op in reversed(ops):
+            for i in op.inputs:
+                if i >= 0:
+                    vend[i] = max(vend[i], op.id)
+            if op.target in VIEWS and op.inputs:
+                end = max([op.id] + [vend[o] for o in op.outputs if o >= 0])
+                self.view_end[op.id] = end
+                vend[op.inputs[0]] = max(vend[op.inputs[0]], end)
+        self.op_bwd = np.array([op.phase is Phase.BACKWARD for op in ops], dtype=bool)
         # live(i) = base + the events at positions <= i, an event adding coef x the local bytes of a value
         ev_pos, ev_vid, ev_coef = [], [], []
         m_vid, m_pers, m_prod, m_end, m_extra = [], [], [], [], []
