@@ -28,6 +28,7 @@ from partir_torch.search.budget import Budget, Result
 from partir_torch.search.goals import KINDS, Evaluator, check_goal
 from partir_torch.search.mcts import MCTS
 from partir_torch.search.seeds import composites
+from partir_torch.search.space import replay
 from partir_torch.tactics import Context, apply_schedule, parse_schedule, register_tactic, wants_fallback
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,7 @@ class Auto:
                 config.log.extend(r[3])
             if config.algorithm != "mcts":
                 return best
-            experts = [a for _, a in composites(state, axes, config.dcn_axes)] \
-                if KINDS[self.goal] >= {"input", "param", "optimizer"} else []  # where the goal allows their moves
+            experts = self._composites(state, axes, config, ev)
             res = polish(state, axes, self.goal, config, share, [r[4] for r in runs] + experts)
             taken = ev.key(ev.report(res.state)) <= min(r[0] for r in runs)
             if taken:
@@ -149,6 +149,19 @@ class Auto:
             config.trace.append(list(res.actions))
             state = res.state.copy()  # the next axis continues from the best plan
         return state
+
+
+    def _composites(self, state: ShardingState, axes: tuple[str, ...], config: SearchConfig, ev: Evaluator
+                    ) -> list[list]:
+        """The expert composites' actions (`seeds.py`), where the goal allows their moves; with FSDP or Megatron
+        over a DCN axis too when none of the others fits in memory."""
+        if not KINDS[self.goal] >= {"input", "param", "optimizer"}:
+            return []
+        out = [a for _, a in composites(state, axes, config.dcn_axes)]
+        if set(axes) & config.dcn_axes and not any(
+                (s := replay(state, a)) is not None and not ev.key(ev.report(s)).infeasible for a in out):
+            out += [a for _, a in composites(state, axes, config.dcn_axes, over_dcn=True)]
+        return out
 
 
 def polish(state: ShardingState, axes: tuple[str, ...], goal: str, config: SearchConfig, budget: Budget,

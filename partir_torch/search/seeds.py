@@ -12,7 +12,9 @@ has let them be replayed), and usually better (docs/scale.md).
 Roles per axis: `dp` (tile every input's batch dim), `fsdp` (dp, then ZeRO-3 of every parameter), `zero1`
 (dp, then ZeRO-1), `megatron` (column/row pairs of linears); at most one axis is `megatron`, and an axis over
 DCN takes only `dp` or `zero1` (what the hierarchical plans engineers write put there: the gradients'
-reduction, no per-layer gather or activation all-reduce; the search may still move away from it). Actions are
+reduction, no per-layer gather or activation all-reduce; the search may still move away from it) unless
+`over_dcn` (`Auto` asks for those when none of the others fits in memory: FSDP across nodes, as an engineer
+does when nothing else fits, Llama-3-8B on 8 H100 nodes). Actions are
 returned in the plan's canonical order (`space.rank`), so a Megatron tile is the major axis of a dim that a
 ZeRO move also tiles.
 """
@@ -56,8 +58,8 @@ def _dp(state: ShardingState, axis: str) -> list[Action]:
             if p.values[v].shape and divides(p.values[v].shape[0], state.mesh, (axis,))]
 
 
-def composites(state: ShardingState, axes: tuple[str, ...], dcn_axes: frozenset[str] = frozenset()
-               ) -> list[tuple[str, list[Action]]]:
+def composites(state: ShardingState, axes: tuple[str, ...], dcn_axes: frozenset[str] = frozenset(), *,
+               over_dcn: bool = False) -> list[tuple[str, list[Action]]]:
     """(name like `data:dp,model:megatron`, actions in canonical order) for every assignment of roles to
     `axes` (see the module docstring); assignments a program cannot take (no batch dim divides, no column/row
     pair) are left out."""
@@ -72,7 +74,8 @@ def composites(state: ShardingState, axes: tuple[str, ...], dcn_axes: frozenset[
         per_role[a, "megatron"] = mega or None
     out = []
     for roles in itertools.product(ROLES, repeat=len(axes)):
-        if roles.count("megatron") > 1 or any(a in dcn_axes and r in ("fsdp", "megatron") for a, r in zip(axes, roles)):
+        heavy = any(a in dcn_axes and r in ("fsdp", "megatron") for a, r in zip(axes, roles))
+        if roles.count("megatron") > 1 or heavy != over_dcn:  # over_dcn: only the ones the default leaves out
             continue
         parts = [per_role[a, r] for a, r in zip(axes, roles)]
         if any(x is None for x in parts):

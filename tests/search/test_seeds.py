@@ -58,3 +58,23 @@ def test_a_short_search_is_never_worse_than_the_best_composite(llama):
     cfg = SearchConfig(hw, dcn, None, 0, Budget(episodes=5))
     got = evaluate(apply_schedule(llama, mesh, [Auto()], search=cfg), hw, dcn_axes=dcn)
     assert got.feasible and got.step_time_s <= best
+
+
+def test_fsdp_over_dcn_is_a_start_only_when_nothing_else_fits(llama):
+    mesh, dcn = parse_mesh("data=4:dcn,model=2")
+    hw = hardware("tpu-v5p")
+    root = apply_schedule(llama, mesh, [])
+    light = composites(root, mesh.names, dcn)
+    heavy = composites(root, mesh.names, dcn, over_dcn=True)
+    assert heavy and all("data:fsdp" in n or "data:megatron" in n for n, _ in heavy)
+    assert not {n for n, _ in heavy} & {n for n, _ in light}
+
+    def peak(acts):
+        return evaluate(replay(root, acts), hw, dcn_axes=dcn).peak_memory_bytes
+
+    lo, hi = min(peak(a) for _, a in heavy), min(peak(a) for _, a in light)
+    assert lo < hi  # FSDP across the DCN axis is what fits in less memory
+    limit = (lo + hi) / 2
+    cfg = SearchConfig(hw, dcn, limit, 0, Budget(episodes=5))
+    got = evaluate(apply_schedule(llama, mesh, [Auto()], search=cfg), hw, dcn_axes=dcn, memory_limit=limit)
+    assert got.feasible
