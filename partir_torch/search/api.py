@@ -150,7 +150,6 @@ class Auto:
             state = res.state.copy()  # the next axis continues from the best plan
         return state
 
-
     def _composites(self, state: ShardingState, axes: tuple[str, ...], config: SearchConfig, ev: Evaluator
                     ) -> list[list]:
         """The expert composites' actions (`seeds.py`), where the goal allows their moves; with FSDP or Megatron

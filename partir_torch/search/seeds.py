@@ -14,9 +14,8 @@ Roles per axis: `dp` (tile every input's batch dim), `fsdp` (dp, then ZeRO-3 of 
 DCN takes only `dp` or `zero1` (what the hierarchical plans engineers write put there: the gradients'
 reduction, no per-layer gather or activation all-reduce; the search may still move away from it) unless
 `over_dcn` (`Auto` asks for those when none of the others fits in memory: FSDP across nodes, as an engineer
-does when nothing else fits, Llama-3-8B on 8 H100 nodes). Actions are
-returned in the plan's canonical order (`space.rank`), so a Megatron tile is the major axis of a dim that a
-ZeRO move also tiles.
+does when nothing else fits, Llama-3-8B on 8 H100 nodes). Actions are returned in the plan's canonical
+order (`space.rank`), so a Megatron tile is the major axis of a dim that a ZeRO move also tiles.
 """
 
 from __future__ import annotations
