@@ -250,8 +250,9 @@ class ShardingPlan:
             wanted += [(f"gradient of {n}", p.grads.get(n), s) for n, s in self.grads.items()]
             wanted += [(f"output of module {m}", outs.get(m), s) for m, s in self.activations.items()]
             problems += [f"{what} is not in the captured program" for what, v, _ in wanted if v is None]
+            out_vals = set(outs.values())
             for what, v, spec in wanted:
-                if v is not None and state.shard[v].partial and v in outs.values():
+                if v is not None and state.shard[v].partial and v in out_vals:
                     continue  # a pending sum's spec is where its readers reduce it to (`reads.output_shardings`)
                 for d, entry in enumerate(spec if v is not None else ()):
                     for axis in [] if entry is None else [entry] if isinstance(entry, str) else entry:
