@@ -38,7 +38,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 # group, 126 layers of saved activations: the model has no activation recomputation, which 405B training uses),
 # so its memory limit is lifted (`MEMORY`) and it is a planning-time and step-time scenario only
 SCENARIOS = {
-    "L70": ("llama2-70b", {}, "tpu-v5p", "data=16:dcn,fsdp=16,model=8", "6s", 10.0,
+    "L70": ("llama2-70b", {}, "tpu-v5p", "data=16:dcn,fsdp=16,model=8", "4s", 10.0,
             "Llama-2-70B, tpu-v5p x 2048 {data:16 DCN, fsdp:16, model:8}"),
     "L70-8k": ("llama2-70b", {"batch": "1024"}, "tpu-v5p", "pod=4:dcn,data=16:dcn,fsdp=16,model=8", "15s", 20.0,
                "Llama-2-70B, tpu-v5p x 8192 {pod:4 DCN, data:16 DCN, fsdp:16, model:8}"),

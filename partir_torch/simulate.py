@@ -185,7 +185,12 @@ def simulate(
                 local = state.op_output(op.id, 0).local_shape(program.values[results[0]].shape, state.mesh)
                 args = (*args[:k], list(local), *args[k + 1:])
             args = _localize(op.target, args, state, op.id, results)
-            out = op.overload(*args, **kwargs)
+            if op.target == "aten.embedding.default" and required_operand(state, op.id, 0).dims[0]:
+                off = m.region(required_operand(state, op.id, 0), program.values[rule.operands[0].value].shape,
+                               m.coords[d])[0].start
+                out = masked_embedding(args[0], args[1], off)
+            else:
+                out = op.overload(*args, **kwargs)
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
             j = 0
             for o_id, t in zip(op.outputs, outs):
@@ -212,6 +217,14 @@ def simulate(
         scale = max(1.0, r.double().abs().max().item()) if r.numel() and r.is_floating_point() else 1.0
         rel = max(rel, diffs[val.name] / scale)
     return SimResult(max(diffs.values(), default=0.0), diffs, rel, mismatch, lower(state), executed)
+
+
+def masked_embedding(rows: torch.Tensor, idx: torch.Tensor, first: int) -> torch.Tensor:
+    """One device's part of an embedding whose table is tiled on its rows (`rules.indexing.embedding`): the
+    rows it holds (`first` is the global index of its first), zeros for indices outside them."""
+    local = idx - first
+    inside = (local >= 0) & (local < rows.shape[0])
+    return torch.embedding(rows, local.clamp(0, rows.shape[0] - 1)) * inside.unsqueeze(-1).to(rows.dtype)
 
 
 def _uninitialized(program: Program, v: int) -> bool:

@@ -1,4 +1,5 @@
-"""Gathers, scatters and creation ops. Gathered / scattered dims are data-dependent: replicated.
+"""Gathers, scatters and creation ops. Gathered / scattered dims are data-dependent: replicated, except an
+embedding table's rows, which tile as a masked lookup (`embedding`).
 
 Index tensors (integer positions, boolean masks) are side inputs: each of their dims is its own factor that
 needs replication, so they are all-gathered if they arrive tiled (the cost lowering charges). Dims of the
@@ -22,9 +23,13 @@ from partir_torch.rules.base import (
 
 @register("aten.embedding.default")
 def embedding(op: Op, program: Program) -> OpRule:
+    """A table tiled on its rows is a masked lookup (Megatron's vocab-parallel embedding): each device looks up
+    the indices that fall in its rows and writes zeros for the others, so the result is a pending sum over
+    the row axis (an all-reduce of the [.., D] result instead of a gather of the table). The simulator runs
+    that local kernel (`simulate.masked_embedding`); XLA's SPMD partitioner lowers the op the same way."""
     idx = tensor_args(op)[1]
     lead = LETTERS[: len(program.values[idx].shape)]
-    return spec_rule(op, program, f"VD,{lead}->{lead}D", replicate="V", name="embedding")
+    return spec_rule(op, program, f"VD,{lead}->{lead}D", name="embedding")
 
 
 @register("aten.embedding_dense_backward.default")

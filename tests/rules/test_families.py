@@ -248,3 +248,25 @@ def test_batchnorm_eval(data):
     m[1].running_var.uniform_(0.5, 2.0)
     m.eval()
     check(m, (r(4, 4, 2, 2),), data)
+
+
+def test_embedding_with_its_rows_tiled_is_a_masked_lookup_summed_over_the_row_axis():
+    """Vocab-parallel embedding: the table stays tiled on its rows, each device looks up the rows it holds
+    and the [.., D] result is all-reduced (not the table gathered), with the same values as unsharded."""
+    from partir_torch.ir import Mesh, Tile
+    from tests.rules.harness import run_plan
+
+    idx = torch.tensor([[0, 7, 3, 3], [5, 1, 6, 2]])
+    emb = nn.Embedding(8, 6)
+    m = Lambda(lambda self, x: emb(idx) * x)
+    m.emb = emb
+    table = "emb.weight"
+    state, res = run_plan(m, (r(2, 4, 6),), Mesh.parse("x=4,y=2"), [Tile(table, 0, "x"), Tile("inputs[0]", 0, "y")])
+    assert res.max_rel_diff < 1e-5 and res.replica_mismatch < 1e-6, res.diffs
+    prog = state.program
+    look = next(o for o in prog.ops if o.target == "aten.embedding.default")
+    out = next(v for v in look.outputs if v >= 0)
+    assert state.op_output(look.id, 0).partial == {"x"}
+    gathered = [c for c in res.collectives if c.kind == "all-gather" and prog.values[c.value].name == table]
+    assert not gathered, gathered
+    assert any(c.kind in ("all-reduce", "reduce-scatter") and c.value == out and c.axis == "x" for c in res.collectives)
