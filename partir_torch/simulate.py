@@ -189,6 +189,10 @@ def simulate(
                 off = m.region(required_operand(state, op.id, 0), program.values[rule.operands[0].value].shape,
                                m.coords[d])[0].start
                 out = masked_embedding(args[0], args[1], off)
+            elif op.target == "aten.embedding_dense_backward.default" and state.op_output(op.id, 0).dims[0]:
+                # the device's rows of the table's gradient: the masked scatter-add of its tokens
+                rows = m.region(state.op_output(op.id, 0), program.values[results[0]].shape, m.coords[d])[0]
+                out = op.overload(*args, **kwargs)[rows]
             else:
                 out = op.overload(*args, **kwargs)
             outs = list(out) if isinstance(out, (tuple, list)) else [out]

@@ -34,9 +34,12 @@ def embedding(op: Op, program: Program) -> OpRule:
 
 @register("aten.embedding_dense_backward.default")
 def embedding_dense_backward(op: Op, program: Program) -> OpRule:
+    """The table's gradient tiles on its rows as a masked scatter-add: each device adds the token rows whose
+    index falls in its rows, so a row-tiled gradient needs the tokens whole on that axis (a gather of the
+    `[.., D]` output gradient) instead of a reduce-scatter of the whole `[V, D]` sum."""
     idx = tensor_args(op)[1]
     lead = LETTERS[: len(program.values[idx].shape)]
-    return spec_rule(op, program, f"{lead}D,{lead}->_D", name="embedding_backward")
+    return spec_rule(op, program, f"{lead}D,{lead}->VD", name="embedding_backward")
 
 
 @register("aten.index_select.default")

@@ -270,3 +270,9 @@ def test_embedding_with_its_rows_tiled_is_a_masked_lookup_summed_over_the_row_ax
     gathered = [c for c in res.collectives if c.kind == "all-gather" and prog.values[c.value].name == table]
     assert not gathered, gathered
     assert any(c.kind in ("all-reduce", "reduce-scatter") and c.value == out and c.axis == "x" for c in res.collectives)
+    # the backward: each device adds the tokens of its rows, so the table's gradient is summed over the
+    # tokens' axis in row tiles (8 / 4 rows of 6 floats), never as the whole [8, 6] table
+    back = next(o for o in prog.ops if o.target == "aten.embedding_dense_backward.default")
+    assert state.op_output(back.id, 0).dims[0] == ("x",)
+    grad_sums = [c for c in res.collectives if c.value == back.outputs[0]]
+    assert grad_sums and all(c.axis == "y" and c.bytes == 2 * 6 * 4 for c in grad_sums), grad_sums
