@@ -45,6 +45,9 @@ class VerifyReport:
     max_abs_diff: float | None = None
     max_rel_diff: float | None = None
     notes: list[str] = field(default_factory=list)
+    # per (kind, mesh axes): {"kind", "axes", "predicted", "measured"} bytes per device, XLA CPU's form; the
+    # prediction before fusion (a gather over two axes is a row per axis; XLA's is one row over both)
+    by_axis: list[dict[str, Any]] = field(default_factory=list)
 
     def ratio(self, kind: str) -> float | None:
         """measured / predicted bytes of one kind (None when both are zero)."""
@@ -79,6 +82,11 @@ class VerifyReport:
         con = Console(width=110, record=True, file=open(os.devnull, "w"))  # noqa: SIM115 (rich needs a file)
         con.print(t)
         lines = [con.export_text().rstrip()]
+        if len(self.by_axis) > 1:
+            rows = [f"{r['kind']} over {','.join(r['axes'])}: {format_bytes(r['predicted'])} predicted, "
+                    f"{format_bytes(r['measured'])} measured"
+                    + (f" ({r['measured'] / r['predicted']:.2f})" if r["predicted"] else "") for r in self.by_axis]
+            lines.append("by mesh axis: " + "; ".join(rows))
         for u in self.unexpected_collectives:
             lines.append(f"UNEXPECTED: {u['count']} x {u['kind']} over {','.join(u['axes']) or '-'}: "
                          f"{format_bytes(u['bytes'])} (the plan predicts no {u['kind']} there)")
@@ -115,6 +123,16 @@ def compare(plan: ShardingPlan, step) -> VerifyReport:
         measured[c.kind] += c.bytes
         groups[(c.kind, c.axes)].append(c.bytes)
     rows = [{"kind": k, "axes": list(ax), "count": len(bs), "bytes": sum(bs)} for (k, ax), bs in sorted(groups.items())]
+    order = list(plan.mesh)
+    pred_axis: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
+    for kind, per in by_axis.items():
+        for axis, b in per.items():
+            if b:
+                axes = tuple(a for a in order if a in axis.split(","))
+                pred_axis["all-reduce" if kind == "reduce-scatter" else kind, axes] += b
+    meas_axis = {(k, tuple(a for a in order if a in ax)): sum(bs) for (k, ax), bs in groups.items()}
+    per_axis = [{"kind": k, "axes": list(ax), "predicted": pred_axis.get((k, ax), 0),
+                 "measured": meas_axis.get((k, ax), 0)} for k, ax in sorted(set(pred_axis) | set(meas_axis))]
     unexpected, known = [], []
     for r in rows:
         if r["bytes"] and not (set(r["axes"]) & axes_of.get(r["kind"], set())):
@@ -130,7 +148,7 @@ def compare(plan: ShardingPlan, step) -> VerifyReport:
         {"comm_bytes": dict(measured), "peak_memory_bytes": step.memory_total, "collectives": rows,
          "memory_breakdown": step.memory_breakdown},
         unexpected, known, step.compile_s, step.losses or [step.loss], step.reference_losses, step.max_abs_diff,
-        step.max_rel_diff, notes)
+        step.max_rel_diff, notes, per_axis)
 
 
 def verify(plan: ShardingPlan, model, example_inputs, *, loss_fn=None, optimizer=None, steps: int = 1,

@@ -43,6 +43,10 @@ def test_verify_of_a_model_sharded_in_this_process_matches_the_prediction():
     assert j["unexpected_collectives"] == [] and j["known_deviations"] == []
     assert set(j["predicted"]["comm_bytes"]) == set(j["measured"]["comm_bytes"]) == {"all-reduce"}
     assert j["ratios"]["all-reduce"] == pytest.approx(1.0, abs=0.01)  # DP gradients + Megatron activations
+    rows = {(r["kind"], tuple(r["axes"])): r for r in j["by_axis"]}  # each on its own axis, each as predicted
+    assert set(rows) == {("all-reduce", ("batch",)), ("all-reduce", ("model",))}
+    assert all(r["measured"] == pytest.approx(r["predicted"], rel=0.01) and r["predicted"] for r in rows.values())
+    assert "all-reduce over model" in report.table()
     assert 0.75 <= j["memory_ratio"] <= 1.25
     assert j["max_rel_diff"] <= 1e-5 and len(j["losses"]) == 2
     assert "no collective the plan did not predict" in report.table()
