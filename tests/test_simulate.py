@@ -74,3 +74,28 @@ def test_fused_qkv_chunks_are_simulated():
     n_split = sum(op.target == "aten.split.Tensor" for op in program.ops)
     assert res.executed.get("all-to-all") == 2 * n_split and "all-gather" not in res.executed
     assert res.max_abs_diff <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-t5"])
+def test_vocab_parallel_embeddings_of_transformers_models_match_unsharded(name):
+    """A users' model's token table tiled on its rows (HF GPT-2's tied `wte`, T5's `shared` read by encoder,
+    decoder and LM head): each lookup is a masked lookup summed over the row axis, and the step is exact."""
+    pytest.importorskip("transformers")
+    from partir_torch.models.thirdparty import BUILDERS
+    from partir_torch.propagate import ShardingState
+    from partir_torch.rules.decompose import prepare
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = BUILDERS[name]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    program = prepare(capture(model, inputs, loss_fn, opt))
+    state = ShardingState(program, Mesh.parse("x=4,y=2"))
+    table = {"hf-gpt2": "transformer.wte.weight", "hf-t5": "shared.weight"}[name]
+    state.apply(Tile(table, 0, "x"))
+    state.apply(Tile(program.values[program.inputs[0]].name, 0, "y"))
+    lookups = [o for o in program.ops if o.target == "aten.embedding.default"]
+    assert any(state.op_output(o.id, 0).partial == {"x"} for o in lookups)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    states = {n: {"momentum_buffer": torch.randn_like(p) * 0.1} for n, p in model.named_parameters()}
+    res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
+    assert res.max_rel_diff < 1e-5 and res.replica_mismatch < 1e-6, res.diffs
