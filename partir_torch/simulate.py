@@ -190,7 +190,8 @@ def simulate(
                                m.coords[d])[0].start
                 out = masked_embedding(args[0], args[1], off)
             elif op.target == "aten.embedding_dense_backward.default" and state.op_output(op.id, 0).dims[0]:
-                # the device's rows of the table's gradient: the masked scatter-add of its tokens
+                # the device's rows of the table's gradient (the whole scatter-add of its tokens, sliced: the
+                # rows a masked scatter-add gives)
                 rows = m.region(state.op_output(op.id, 0), program.values[results[0]].shape, m.coords[d])[0]
                 out = op.overload(*args, **kwargs)[rows]
             else:
