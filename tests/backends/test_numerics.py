@@ -55,3 +55,39 @@ def test_adamw_plans_train_like_unsharded(name):
     plan, overrides = _searched(name, "batch=2,model=4", "adamw")
     report = verify_workload(plan, name, overrides, steps=3, numerics=True)
     assert report.max_rel_diff <= 1e-5, (report.max_abs_diff, report.max_rel_diff)
+
+
+def test_a_transformers_gpt2_with_its_tied_table_tiled_on_rows_trains_like_unsharded():
+    """Vocab-parallel embedding on the engine, on a users' model: HF GPT-2's tied `wte` tiled on its rows over
+    `model` (a masked lookup whose result XLA all-reduces), the batch over `batch`; dropout off (torch_xla
+    draws per shard, docs/apply.md)."""
+    import torch
+
+    import partir_torch
+    from partir_torch.ir import Tile
+    from partir_torch.models.thirdparty import BUILDERS
+    from partir_torch.plan import ShardingPlan
+    from partir_torch.propagate import ShardingState
+    from partir_torch.rules.decompose import prepare
+
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, inputs, loss_fn = BUILDERS["hf-gpt2"]()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    program = prepare(capture(model, inputs, loss_fn, "sgd"))
+    state = ShardingState(program, Mesh.parse("batch=2,model=4"))
+    state.apply(Tile("transformer.wte.weight", 0, "model"))
+    state.apply(Tile(program.values[program.inputs[0]].name, 0, "batch"))
+    plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), hardware="cpu-virtual")
+    assert plan.params["transformer.wte.weight"] == ["model", None]
+    j = partir_torch.verify(model, inputs, plan=plan, loss_fn=loss_fn, optimizer="sgd", numerics=True,
+                            steps=3).to_json()
+    assert j["max_rel_diff"] <= 1e-5, (j["losses"], j["reference_losses"])
+    assert j["unexpected_collectives"] == []
+    # XLA sums the lookups over the table's rows as the plan predicts (it gathers no table); the softmax over
+    # the vocab-tiled logits it computes from all-reduced statistics, where the plan gathers them (8 KiB)
+    rows = {(r["kind"], tuple(r["axes"])): r for r in j["by_axis"]}
+    assert rows["all-reduce", ("model",)]["measured"] == pytest.approx(rows["all-reduce", ("model",)]["predicted"],
+                                                                       rel=0.1)
