@@ -185,17 +185,7 @@ def simulate(
                 local = state.op_output(op.id, 0).local_shape(program.values[results[0]].shape, state.mesh)
                 args = (*args[:k], list(local), *args[k + 1:])
             args = _localize(op.target, args, state, op.id, results)
-            if op.target == "aten.embedding.default" and required_operand(state, op.id, 0).dims[0]:
-                off = m.region(required_operand(state, op.id, 0), program.values[rule.operands[0].value].shape,
-                               m.coords[d])[0].start
-                out = masked_embedding(args[0], args[1], off)
-            elif op.target == "aten.embedding_dense_backward.default" and state.op_output(op.id, 0).dims[0]:
-                # the device's rows of the table's gradient (the whole scatter-add of its tokens, sliced: the
-                # rows a masked scatter-add gives)
-                rows = m.region(state.op_output(op.id, 0), program.values[results[0]].shape, m.coords[d])[0]
-                out = op.overload(*args, **kwargs)[rows]
-            else:
-                out = op.overload(*args, **kwargs)
+            out = _run_local(op, args, kwargs, state, m, m.coords[d])
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
             j = 0
             for o_id, t in zip(op.outputs, outs):
@@ -222,6 +212,21 @@ def simulate(
         scale = max(1.0, r.double().abs().max().item()) if r.numel() and r.is_floating_point() else 1.0
         rel = max(rel, diffs[val.name] / scale)
     return SimResult(max(diffs.values(), default=0.0), diffs, rel, mismatch, lower(state), executed)
+
+
+def _run_local(op, args: tuple, kwargs: dict, state: ShardingState, m: _Mesh, c: dict[str, int]) -> Any:
+    """The op on device `c`'s tiles: the aten op itself, except where a rule tiles a factor whose local kernel
+    is another computation (an embedding table's rows: `rules.indexing`)."""
+    prog = state.program
+    if op.target == "aten.embedding.default":
+        table = required_operand(state, op.id, 0)
+        if table.dims[0]:
+            return masked_embedding(args[0], args[1], m.region(table, prog.values[op.args[0].id].shape, c)[0].start)
+    elif op.target == "aten.embedding_dense_backward.default":
+        out = state.op_output(op.id, 0)
+        if out.dims[0]:  # the device's rows of the whole scatter-add: the rows a masked scatter-add gives
+            return op.overload(*args, **kwargs)[m.region(out, prog.values[op.outputs[0]].shape, c)[0]]
+    return op.overload(*args, **kwargs)
 
 
 def masked_embedding(rows: torch.Tensor, idx: torch.Tensor, first: int) -> torch.Tensor:
