@@ -5,9 +5,12 @@ State: a `Sharding` per value and, per op, the axes assigned to each of its fact
     worklist = ops touching the values just tiled
     for op in worklist:
         f = the factor `a` is assigned to in op, else the factors that op's tensors tiled on `a` carry:
-            none -> nothing to do; two different ones, or a dim that carries no factor -> record a Conflict;
-            a factor that needs replication -> record a Conflict (the op runs replicated on `a`);
+            none -> nothing to do; two different ones, or a dim that carries no factor -> a conflict;
+            a factor that needs replication (or does not divide) -> a conflict;
             one factor f -> assign a to f.
+        a conflict, once every result of op is tiled on `a`: assign a to the factor all results carry that
+            moves the fewest bytes (others re-tiled by all-to-all), if no more than running replicated
+            gathers (`_settle`: what an SPMD partitioner does); else record a Conflict (op replicated on a).
         every tensor of op that carries f, and is not yet decided on `a`, gets its dim tiled on `a`
         (if divisible and not locked by Replicate), and its other ops join the worklist, as do the
         same values of the other repeated layers (groups);
@@ -19,6 +22,7 @@ resolved by a reshard at lowering. The order of actions is their priority.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -238,6 +242,7 @@ class ShardingState:
         f = self.factor_of(o, axis)
         if f is None:
             cands: dict[int, list[int]] = {}
+            stray: list[tuple[int, int]] = []  # tensors tiled on `axis` on a dim that carries no factor
             shard = self.shard
             for v, dims in tensors:
                 d = shard[v]._dim_of.get(axis)
@@ -245,27 +250,20 @@ class ShardingState:
                     continue
                 fd = dims[d]
                 if fd is None:
-                    self._conflict(o, axis, f"{self.program.values[v].name} dim {d} carries no factor of the op", (v,))
+                    stray.append((v, d))
+                else:
+                    cands.setdefault(fd, []).append(v)
+            if not cands and not stray:
+                return []
+            why, vals = self._why(o, axis, cands, stray, carriers)
+            if why:
+                f = self._settle(o, axis, tensors, carriers)
+                if f is None:
+                    self._conflict(o, axis, why, vals)
                     return []
-                cands.setdefault(fd, []).append(v)
-            if not cands:
-                return []
-            if len(cands) > 1:
-                vals = tuple(v for vs in cands.values() for v in vs)
-                self._conflict(o, axis, "operands tiled on different factors", vals)
-                return []
-            ((f, vals),) = cands.items()
-            if f in rule.replicate:
-                self._conflict(o, axis, f"factor {rule.letters[f]!r} needs replication", tuple(vals))
-                return []
-            axes = (*self.assign[o].get(f, ()), axis)
-            blocker = self._blocker(o, f, axes, carriers)
-            if blocker is not None:
-                values = self.program.values
-                self._conflict(o, axis, f"factor {rule.letters[f]!r} of {values[blocker].name} "
-                               f"{list(values[blocker].shape)} does not divide by {tile_count(self.mesh, axes)}",
-                               (blocker,))
-                return []
+                self.conflicts = [c for c in self.conflicts if c.op != o or c.axis != axis]
+            else:
+                ((f, _),) = cands.items()
             self.assign[o] = {**self.assign[o], f: (*self.assign[o].get(f, ()), axis)}  # copy on write (copy())
             self.record.ops.add(o)
         changed: list[int] = []
@@ -290,6 +288,68 @@ class ShardingState:
                     self.record.values.add(v)
                     changed.append(v)
         return changed
+
+    def _why(self, o: int, axis: str, cands: dict[int, list[int]], stray: list[tuple[int, int]],
+             carriers: dict[int, list[tuple[int, int]]]) -> tuple[str, tuple[int, ...]]:
+        """Why op `o` cannot run on the one factor its tensors tiled on `axis` carry ("" if it can), and the
+        values involved."""
+        values = self.program.values
+        if stray:
+            v, d = stray[0]
+            return f"{values[v].name} dim {d} carries no factor of the op", (v,)
+        if len(cands) > 1:
+            return "operands tiled on different factors", tuple(v for vs in cands.values() for v in vs)
+        ((f, vals),) = cands.items()
+        rule = self.rules[o]
+        if f in rule.replicate:
+            return f"factor {rule.letters[f]!r} needs replication", tuple(vals)
+        axes = (*self.assign[o].get(f, ()), axis)
+        blocker = self._blocker(o, f, axes, carriers)
+        if blocker is not None:
+            return (f"factor {rule.letters[f]!r} of {values[blocker].name} {list(values[blocker].shape)} does not "
+                    f"divide by {tile_count(self.mesh, axes)}", (blocker,))
+        return "", ()
+
+    def _settle(self, o: int, axis: str, tensors: tuple, carriers: dict[int, list[tuple[int, int]]]) -> int | None:
+        """The factor a conflicted op runs on along `axis`, once all its results are tiled on it, or None (it
+        runs replicated on `axis`).
+
+        Replicated, the op gathers every operand tiled on `axis`. Run on a factor all its results carry, it
+        keeps the operands tiled on that factor, re-tiles the others with an all-to-all of their local block
+        (or gathers those that lack the factor) and re-tiles the results it makes on another dim the same way:
+        what an SPMD partitioner does when the result's sharding is fixed (XLA re-tiles a skip connection's
+        channel-tiled operand of a batch-tiled `cat`). The factor moving the fewest bytes wins, if no more
+        than the replicated run's; the undecided operands carrying it are sliced (tiled, as by propagation)."""
+        rule = self.rules[o]
+        results = [t for t in rule.results if t.value >= 0]
+        shard, values, mesh = self.shard, self.program.values, self.mesh
+        if not results or any(shard[t.value]._dim_of.get(axis) is None for t in results):
+            return None
+        n = mesh.size(axis)
+        out = {t.value for t in results}
+        local: dict[int, int] = {}
+        for v, _ in tensors:
+            if axis in shard[v].partial:
+                return None
+            if shard[v]._dim_of.get(axis) is not None:
+                local[v] = math.prod(shard[v].local_shape(values[v].shape, mesh)) * values[v].dtype.itemsize
+        gathered = sum(nb * n for v, nb in local.items() if v not in out)
+        best: tuple[int, int] | None = None
+        common = set.intersection(*({f for f in t.dims if f is not None} for t in results))
+        for f in sorted(common):
+            axes = (*self.assign[o].get(f, ()), axis)
+            if f in rule.replicate or any(axis in a for a in self.assign[o].values()) or \
+                    self._blocker(o, f, axes, carriers) is not None:
+                continue
+            moved = 0
+            for v, dims in tensors:
+                d = shard[v]._dim_of.get(axis)
+                if d is None or dims[d] == f:
+                    continue
+                moved += local[v] if f in dims else local[v] * n
+            if moved <= gathered and (best is None or moved < best[0]):
+                best = (moved, f)
+        return None if best is None else best[1]
 
     def _blocker(self, o: int, f: int, axes: tuple[str, ...], carriers: dict[int, list[tuple[int, int]]]
                  ) -> int | None:

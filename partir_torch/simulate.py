@@ -261,9 +261,10 @@ def _localize(target: str, args: tuple, state: ShardingState, o: int, results: l
             d, n = x.chunks[0]
             local = required_operand(state, o, 0).local_shape(prog.values[x.value].shape, mesh)[d] // n
             return (args[0], local if target.endswith(".Tensor") else [local] * n, *args[2:])
-    if target == "aten.native_group_norm.default":
-        n = state.op_output(o, 0).local_shape(prog.values[results[0]].shape, mesh)[0]
-        return (*args[:3], n, *args[4:])
+    if target == "aten.native_group_norm.default":  # the device's batch rows, channels and whole groups
+        n, c = state.op_output(o, 0).local_shape(prog.values[results[0]].shape, mesh)[:2]
+        g = state.op_output(o, 1).local_shape(prog.values[results[1]].shape, mesh)[1]
+        return (*args[:3], n, c, args[5], g, *args[7:])
     if target == "aten.convolution_backward.default" and args[3] is not None:
         outs = prog.ops[o].outputs
         if outs[2] >= 0:

@@ -102,6 +102,36 @@ def test_conflicts_are_recorded_not_resolved():
     assert "view" in state.conflicts[0].describe(p)
 
 
+def test_a_conflicted_op_runs_on_its_results_factor_and_re_tiles_the_other_operand():
+    """A skip connection's `cat` of a batch-tiled tensor and a channel-tiled conv output, read batch-tiled:
+    the op runs on the batch tiles and re-tiles the conv output with an all-to-all of its local block
+    (what XLA does), instead of running replicated and gathering both; the step still equals unsharded."""
+    from tests.rules.harness import run_plan
+
+    class Skip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Conv2d(3, 8, 1), nn.Conv2d(3, 4, 1), nn.Conv2d(12, 2, 1)
+
+        def forward(self, x):
+            return self.c(torch.cat([self.a(x), self.b(x)], 1))
+
+    torch.manual_seed(0)
+    # x batch-tiled makes a's output and the cat batch-tiled; b's weight tiled on out-channels first makes
+    # b's output channel-tiled (4 channels: no cat factor, the parts are unequal)
+    state, res = run_plan(Skip(), (torch.randn(4, 3, 4, 4),), Mesh.parse("x=2"),
+                          [Tile("b.weight", 0, "x"), Tile("inputs[0]", 0, "x")])
+    assert res.max_rel_diff < 1e-5, res.diffs
+    p = state.program
+    cat = next(op for op in p.ops if op.target == "aten.cat.default")
+    a_out, b_out = cat.inputs
+    assert str(state.shard[b_out]) == "P(None, 'x', None, None)" and str(state.shard[a_out]).startswith("P('x'")
+    assert state.op_output(cat.id, 0).dims[0] == ("x",)
+    assert not [c for c in state.conflicts if c.op == cat.id]
+    moved = [c for c in lower(state) if c.op == cat.id]
+    assert [(c.kind, c.value, c.bytes) for c in moved] == [("all-to-all", b_out, 4 * 4 * 4 * 4 * 4 // 2)]
+
+
 def test_fused_qkv_split_keeps_heads_tiled_through_an_all_to_all():
     """GPT-2's `c_attn(x).split(d, -1)` under Megatron: the column-tiled [B, T, 3d] is read in 3 chunks (one
     all-to-all of the local block, not an all-gather), q/k/v and the attention stay tiled by heads, and the

@@ -34,10 +34,13 @@ def native_layer_norm_backward(op: Op, program: Program) -> OpRule:
 
 @register("aten.native_group_norm.default")
 def native_group_norm(op: Op, program: Program) -> OpRule:
+    """Channels tile in whole groups: the channel factor is also the group dim of the `[N, G]` statistics, so
+    a device holding C/k consecutive channels holds G/k whole groups (k must divide G, which the statistics'
+    dim checks) and normalizes them alone; the simulator runs it with C/k channels in G/k groups."""
     x = tensor_args(op)[0]
     sp = _NORM[: len(program.values[x].shape) - 2]
     ins = ["nc" + sp] + ["c" for i in (1, 2) if arg(op, i) is not None]
-    return spec_rule(op, program, ",".join(ins) + f"->nc{sp},n_,n_", replicate="c" + sp, name="group_norm")
+    return spec_rule(op, program, ",".join(ins) + f"->nc{sp},nc,nc", replicate=sp, name="group_norm")
 
 
 def _softmax_spec(op: Op, program: Program, n_in: int, dim_arg: int) -> tuple[str, str]:

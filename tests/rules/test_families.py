@@ -276,3 +276,31 @@ def test_embedding_with_its_rows_tiled_is_a_masked_lookup_summed_over_the_row_ax
     assert state.op_output(back.id, 0).dims[0] == ("x",)
     grad_sums = [c for c in res.collectives if c.value == back.outputs[0]]
     assert grad_sums and all(c.axis == "y" and c.bytes == 2 * 6 * 4 for c in grad_sums), grad_sums
+
+
+def test_group_norm_with_its_channels_tiled_in_whole_groups_normalizes_each_device_s_groups_alone():
+    """A conv tiled on its output channels feeds GroupNorm without a gather: each device holds whole
+    groups, normalizes them with its own statistics (tiled on the group dim) and the step equals
+    unsharded; with fewer groups than devices the channels are gathered, as before."""
+    from partir_torch.ir import Mesh, Tile
+    from tests.rules.harness import run_plan
+
+    def net(groups: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(groups, 8), nn.SiLU(), nn.Conv2d(8, 2, 1))
+
+    torch.manual_seed(0)
+    state, res = run_plan(net(4), (r(2, 3, 4, 4),), Mesh.parse("x=4,y=2"),
+                          [Tile("0.weight", 0, "x"), Tile("inputs[0]", 0, "y")])
+    assert res.max_rel_diff < 1e-5 and res.replica_mismatch < 1e-6, res.diffs
+    prog = state.program
+    gn = next(o for o in prog.ops if o.target == "aten.native_group_norm.default")
+    assert state.op_output(gn.id, 0).dims[:2] == (("y",), ("x",))
+    assert state.op_output(gn.id, 1).dims == (("y",), ("x",))  # the [N, G] statistics, a group tile each
+    x = gn.inputs[0]
+    assert not [c for c in res.collectives if c.value == x and c.axis == "x"], res.collectives
+    # two groups over four devices: a device would hold half a group, so the channels are gathered
+    state, res = run_plan(net(2), (r(2, 3, 4, 4),), Mesh.parse("x=4,y=2"),
+                          [Tile("0.weight", 0, "x"), Tile("inputs[0]", 0, "y")])
+    assert res.max_rel_diff < 1e-5, res.diffs
+    gn = next(o for o in state.program.ops if o.target == "aten.native_group_norm.default")
+    assert state.op_output(gn.id, 0).dims[1] == ()
