@@ -314,19 +314,20 @@ class ShardingState:
         """The factor a conflicted op runs on along `axis`, once all its results are tiled on it, or None (it
         runs replicated on `axis`).
 
-        Replicated, the op gathers every operand tiled on `axis`. Run on a factor all its results carry, it
-        keeps the operands tiled on that factor, re-tiles the others with an all-to-all of their local block
-        (or gathers those that lack the factor) and re-tiles the results it makes on another dim the same way:
-        what an SPMD partitioner does when the result's sharding is fixed (XLA re-tiles a skip connection's
-        channel-tiled operand of a batch-tiled `cat`). The factor moving the fewest bytes wins, if no more
+        Replicated, the op gathers every operand tiled on `axis`. Run on a factor every result carries or
+        sums over, it keeps the operands tiled on that factor, re-tiles the others with an all-to-all of their
+        local block (or gathers those that lack the factor), re-tiles the results it makes on another dim the
+        same way and reduce-scatters those it makes as sums: what an SPMD partitioner does when the result's
+        sharding is fixed (XLA re-tiles a skip connection's channel-tiled operand of a batch-tiled `cat`, and
+        scatter-adds edge-tiled messages into node sums). The factor moving the fewest bytes wins, if no more
         than the replicated run's; the undecided operands carrying it are sliced (tiled, as by propagation)."""
         rule = self.rules[o]
-        results = [t for t in rule.results if t.value >= 0]
+        results = [(t, red) for t, red in zip(rule.results, rule.reduced) if t.value >= 0]
         shard, values, mesh = self.shard, self.program.values, self.mesh
-        if not results or any(shard[t.value]._dim_of.get(axis) is None for t in results):
+        if not results or any(shard[t.value]._dim_of.get(axis) is None for t, _ in results):
             return None
         n = mesh.size(axis)
-        out = {t.value for t in results}
+        out = {t.value for t, _ in results}
         local: dict[int, int] = {}
         for v, _ in tensors:
             if axis in shard[v].partial:
@@ -335,17 +336,17 @@ class ShardingState:
                 local[v] = math.prod(shard[v].local_shape(values[v].shape, mesh)) * values[v].dtype.itemsize
         gathered = sum(nb * n for v, nb in local.items() if v not in out)
         best: tuple[int, int] | None = None
-        common = set.intersection(*({f for f in t.dims if f is not None} for t in results))
+        common = set.intersection(*({f for f in t.dims if f is not None} | set(red) for t, red in results))
         for f in sorted(common):
             axes = (*self.assign[o].get(f, ()), axis)
-            if f in rule.replicate or any(axis in a for a in self.assign[o].values()) or \
-                    self._blocker(o, f, axes, carriers) is not None:
+            if f in rule.replicate or self._blocker(o, f, axes, carriers) is not None:
                 continue
             moved = 0
             for v, dims in tensors:
                 d = shard[v]._dim_of.get(axis)
                 if d is None or dims[d] == f:
                     continue
+                # re-tiled (an all-to-all of the block), else gathered, or for a result summed and scattered
                 moved += local[v] if f in dims else local[v] * n
             if moved <= gathered and (best is None or moved < best[0]):
                 best = (moved, f)

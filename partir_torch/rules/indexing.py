@@ -54,13 +54,19 @@ def index_select(op: Op, program: Program) -> OpRule:
 
 @register("aten.index_add.default", "aten.index_copy.default")
 def index_add(op: Op, program: Program) -> OpRule:
+    """The scattered-into dim is data-dependent (replicated); the other dims tile. index_add's source rows
+    (one per index: a graph's edges) tile as a sum: each device adds its rows, the base joins the sum once
+    (`partialize`) and the result is pending over that axis, as an edge-parallel message aggregation is.
+    index_copy overwrites, so its rows stay whole."""
     x = tensor_args(op)[0]
     r = len(program.values[x].shape)
     d = int(arg(op, 1)) % r
     letters = LETTERS[:r]
     src = letters[:d] + "E" + letters[d + 1:]
-    # the scattered-into dim and the source rows are data-dependent; the other dims tile
-    return spec_rule(op, program, f"{letters},E,{src}->{letters}", replicate=letters[d] + "E", name="scatter_add")
+    if op.target == "aten.index_add.default":
+        return spec_rule(op, program, f"{letters},E,{src}->{letters}", replicate=letters[d], partialize=(0,),
+                         name="scatter_add")
+    return spec_rule(op, program, f"{letters},E,{src}->{letters}", replicate=letters[d] + "E", name="index_copy")
 
 
 @register("aten.scatter.src", "aten.scatter.value", "aten.gather.default", "aten.scatter_add.default",

@@ -304,3 +304,31 @@ def test_group_norm_with_its_channels_tiled_in_whole_groups_normalizes_each_devi
     assert res.max_rel_diff < 1e-5, res.diffs
     gn = next(o for o in state.program.ops if o.target == "aten.native_group_norm.default")
     assert state.op_output(gn.id, 0).dims[1] == ()
+
+
+def test_index_add_with_its_source_rows_tiled_is_a_sum_pending_over_their_axis():
+    """Message passing with the edges tiled: each device scatter-adds its edges' messages, the base joins
+    the sum once, and the node sums are reduced over the edges' axis (not the messages gathered)."""
+    from partir_torch.ir import Mesh, Tile
+    from tests.rules.harness import run_plan
+
+    dst = torch.tensor([0, 2, 1, 0, 3, 3, 2, 0])
+
+    class Agg(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.msg = nn.Linear(4, 6)
+
+        def forward(self, nodes, edges):
+            return nodes.index_add(0, dst, self.msg(edges)) * 2
+
+    torch.manual_seed(0)
+    state, res = run_plan(Agg(), (r(4, 6), r(8, 4)), Mesh.parse("x=4,y=2"),
+                          [Tile("inputs[1]", 0, "x"), Tile("msg.weight", 0, "y")])
+    assert res.max_rel_diff < 1e-5 and res.replica_mismatch < 1e-6, res.diffs
+    prog = state.program
+    add = next(o for o in prog.ops if o.target == "aten.index_add.default")
+    assert state.op_output(add.id, 0).partial == {"x"}
+    assert not [c for c in res.collectives if c.value == add.inputs[2] and c.axis == "x"], res.collectives
+    assert any(c.value == add.outputs[0] and c.axis == "x" and c.kind in ("all-reduce", "reduce-scatter")
+               for c in res.collectives)
