@@ -8,9 +8,10 @@ State: a `Sharding` per value and, per op, the axes assigned to each of its fact
             none -> nothing to do; two different ones, or a dim that carries no factor -> a conflict;
             a factor that needs replication (or does not divide) -> a conflict;
             one factor f -> assign a to f.
-        a conflict, once every result of op is tiled on `a`: assign a to the factor all results carry that
-            moves the fewest bytes (others re-tiled by all-to-all), if no more than running replicated
-            gathers (`_settle`: what an SPMD partitioner does); else record a Conflict (op replicated on a).
+        a conflict, once every result of op is tiled on `a`: assign a to the factor all results carry (or
+            sum over) that moves the fewest bytes (the others re-tiled by all-to-all), if no more than the
+            replicated run gathers (`_settle`: what an SPMD partitioner does); else record a Conflict (the
+            op runs replicated on `a`).
         every tensor of op that carries f, and is not yet decided on `a`, gets its dim tiled on `a`
         (if divisible and not locked by Replicate), and its other ops join the worklist, as do the
         same values of the other repeated layers (groups);
