@@ -132,6 +132,36 @@ def test_a_conflicted_op_runs_on_its_results_factor_and_re_tiles_the_other_opera
     assert [(c.kind, c.value, c.bytes) for c in moved] == [("all-to-all", b_out, 4 * 4 * 4 * 4 * 4 // 2)]
 
 
+def test_a_conflicted_scatter_add_runs_on_its_edges_and_reduce_scatters_its_node_sums():
+    """Node features tiled by nodes, messages by edges: the scatter-add's output is tiled by nodes (from the
+    residual) and its source by edges, factors that conflict. It runs on the edges (its result a sum,
+    reduce-scattered to the node tiles) rather than gathering the 64 messages; the step equals unsharded."""
+    from tests.rules.harness import run_plan
+
+    dst = torch.randint(0, 4, (64,), generator=torch.Generator().manual_seed(0))
+
+    class Agg(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3))
+
+        def forward(self, nodes, edges):
+            return nodes.index_add(0, dst, edges * self.w) + nodes
+
+    torch.manual_seed(0)  # 3 features: the feature dim cannot tile over 2, so only the edges can settle it
+    state, res = run_plan(Agg(), (torch.randn(4, 3), torch.randn(64, 3)), Mesh.parse("x=2"),
+                          [Tile("inputs[0]", 0, "x"), Tile("inputs[1]", 0, "x")])
+    assert res.max_rel_diff < 1e-5 and res.replica_mismatch < 1e-6, res.diffs
+    p = state.program
+    add = next(op for op in p.ops if op.target == "aten.index_add.default")
+    out, msgs = add.outputs[0], add.inputs[2]
+    assert state.op_output(add.id, 0).partial == {"x"} and str(state.shard[out]) == "P('x', None)"
+    assert not [c for c in state.conflicts if c.op == add.id]
+    moved = lower(state)
+    assert not [c for c in moved if c.value == msgs], moved
+    assert [c.kind for c in moved if c.value == out and c.op >= 0] == ["reduce-scatter"]
+
+
 def test_fused_qkv_split_keeps_heads_tiled_through_an_all_to_all():
     """GPT-2's `c_attn(x).split(d, -1)` under Megatron: the column-tiled [B, T, 3d] is read in 3 chunks (one
     all-to-all of the local block, not an all-gather), q/k/v and the attention stay tiled by heads, and the
