@@ -52,21 +52,30 @@ def index_select(op: Op, program: Program) -> OpRule:
     return spec_rule(op, program, f"{letters},E->{out}", replicate=letters[d], name="gather")
 
 
-@register("aten.index_add.default", "aten.index_copy.default")
-def index_add(op: Op, program: Program) -> OpRule:
-    """The scattered-into dim is data-dependent (replicated); the other dims tile. index_add's source rows
-    (one per index: a graph's edges) tile as a sum: each device adds its rows, the base joins the sum once
-    (`partialize`) and the result is pending over that axis, as an edge-parallel message aggregation is.
-    index_copy overwrites, so its rows stay whole."""
+def _into(op: Op, program: Program) -> tuple[str, str, str]:
+    """(the base's letters, the source's, the letter of the scattered-into dim) of index_add / index_copy:
+    the source's rows (one per index) are the factor E."""
     x = tensor_args(op)[0]
     r = len(program.values[x].shape)
     d = int(arg(op, 1)) % r
     letters = LETTERS[:r]
-    src = letters[:d] + "E" + letters[d + 1:]
-    if op.target == "aten.index_add.default":
-        return spec_rule(op, program, f"{letters},E,{src}->{letters}", replicate=letters[d], partialize=(0,),
-                         name="scatter_add")
-    return spec_rule(op, program, f"{letters},E,{src}->{letters}", replicate=letters[d] + "E", name="index_copy")
+    return letters, letters[:d] + "E" + letters[d + 1:], letters[d]
+
+
+@register("aten.index_add.default")
+def index_add(op: Op, program: Program) -> OpRule:
+    """The scattered-into dim is data-dependent (replicated); the other dims tile. The source rows (a graph's
+    edges) tile as a sum: each device adds its rows, the base joins the sum once (`partialize`) and the
+    result is pending over that axis, as an edge-parallel message aggregation is."""
+    base, src, into = _into(op, program)
+    return spec_rule(op, program, f"{base},E,{src}->{base}", replicate=into, partialize=(0,), name="scatter_add")
+
+
+@register("aten.index_copy.default")
+def index_copy(op: Op, program: Program) -> OpRule:
+    """As index_add, but a copy overwrites: the source rows stay whole."""
+    base, src, into = _into(op, program)
+    return spec_rule(op, program, f"{base},E,{src}->{base}", replicate=into + "E", name="index_copy")
 
 
 @register("aten.scatter.src", "aten.scatter.value", "aten.gather.default", "aten.scatter_add.default",
