@@ -45,8 +45,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from partir_torch.capture.attribution import returns_tensor
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
 from partir_torch.plan import ShardingPlan, divisibility
@@ -224,7 +226,7 @@ def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
 
 
 class Lowerings(TorchFunctionMode):
-    """Active while the sharded model's forward runs (module docstring, item 4)."""
+    """Active while the sharded model's forward runs (module docstring, items 4 and 6)."""
 
     def __init__(self, layer_norm: bool = True, attention: bool = True) -> None:
         super().__init__()
@@ -234,20 +236,99 @@ class Lowerings(TorchFunctionMode):
             self.table[F.group_norm] = _group_norm
         if attention:
             self.table[F.scaled_dot_product_attention] = _attention
+        self.calls: CallConstraints | None = None
         self.depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        return self.table.get(func, func)(*args, **(kwargs or {}))
+        impl = self.table.get(func, func)
+        if self.calls is None:
+            return impl(*args, **(kwargs or {}))
+        return self.calls.run(func, impl, args, kwargs or {})
+
+    @property
+    def active(self) -> bool:
+        return bool(self.table) or self.calls is not None
 
     def enter(self, *_: Any) -> None:
-        if self.table and self.depth == 0:
+        if self.active and self.depth == 0:
+            if self.calls is not None:
+                self.calls.counts.clear()
             self.__enter__()
         self.depth += 1
 
     def leave(self, *_: Any) -> None:
         self.depth -= 1
-        if self.table and self.depth == 0:
+        if self.active and self.depth == 0:
             self.__exit__(None, None, None)
+
+
+_MUTATING = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
+
+
+def _mutates(func: Callable, kwargs: dict[str, Any]) -> bool:
+    name = getattr(func, "__name__", "")
+    return "out" in kwargs or name in _MUTATING or (name.endswith("_") and not name.endswith("__"))
+
+
+class CallConstraints:
+    """The plan's constraints at the torch-function calls inside modules' forwards (`plan.calls`,
+    `plan/reads.call_constraints`): calls are numbered per module path as the capture numbered them
+    (`capture.attribution.CallTracker`: calls that make tensors, from the model's call on), an operand the
+    plan reshards is constrained (with its gradient) before the call, and the call's result after it.
+    A result whose shape is not the captured one means the forward took another path than at capture: the
+    module's remaining calls are left alone (one warning)."""
+
+    def __init__(self, model: nn.Module, mesh, calls: dict[str, dict[str, dict]]) -> None:
+        self.mesh = mesh
+        self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+        self.table = {path: {int(k): c for k, c in cs.items()} for path, cs in calls.items()}
+        self.stack: list[str] = []
+        self.counts: dict[str, int] = {}
+        self.lost: set[str] = set()  # modules whose calls stopped matching the capture's (warned once)
+
+    def push(self, mod: nn.Module, *_: Any) -> None:
+        path = self.paths.get(id(mod))
+        if path is not None:
+            self.stack.append(path)
+
+    def pop(self, mod: nn.Module, *_: Any) -> None:
+        if self.paths.get(id(mod)) is not None and self.stack:
+            self.stack.pop()
+
+    def run(self, func: Callable, impl: Callable, args: tuple, kwargs: dict[str, Any]):
+        if not self.stack:
+            return impl(*args, **kwargs)
+        path = self.stack[-1]
+        k = self.counts.get(path, 0)
+        c = self.table.get(path, {}).get(k) if path not in self.lost else None
+        if c is not None and c["ins"] and not _mutates(func, kwargs):
+            args, kwargs = self._inputs(c["ins"], args, kwargs)
+        out = impl(*args, **kwargs)
+        if not returns_tensor(out):
+            return out
+        self.counts[path] = k + 1
+        if c is None or c["out"] is None or not isinstance(out, torch.Tensor):
+            return out
+        shape, spec = c["out"]
+        if list(out.shape) != shape:
+            self.lost.add(path)
+            log.warning("module %r: call %d of its forward makes %s where the capture had %s; its remaining "
+                        "calls are not constrained (the forward takes another path than at capture)", path, k,
+                        list(out.shape), shape)
+            return out
+        if out._is_view() or _mutates(func, kwargs) or any(out is a for a in args):
+            return out  # aliasing kept: a constrained copy would not see later in-place writes
+        return constrain(out, self.mesh, _spec(spec, len(spec)), _spec(spec, len(spec)))
+
+    def _inputs(self, ins: list, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        leaves, tree = pytree.tree_flatten((args, kwargs))
+        for shape, nth, spec, grad in ins:
+            hits = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and list(t.shape) == shape]
+            if nth < len(hits):
+                i = hits[nth]
+                leaves[i] = constrain(leaves[i], self.mesh, _spec(spec, len(spec)),
+                                      _spec(grad, len(grad)) if grad is not None else None)
+        return pytree.tree_unflatten(leaves, tree)
 
 
 class _Constrain(torch.autograd.Function):
@@ -291,7 +372,8 @@ class _ReadAs:
         holder, attr = self.places[0]
         p = holder._parameters[attr]
         self.saved.append(p)
-        read = constrain(p, self.mesh, self.spec, None)
+        with torch._C.DisableTorchFunction():  # not one of the model's calls (`CallConstraints` counts those)
+            read = constrain(p, self.mesh, self.spec, None)
         for m, a in self.places:
             m._parameters[a] = read
 
@@ -414,7 +496,8 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
     def constrain_to(spec: tuple):
         def hook(mod, args, out):
             if isinstance(out, torch.Tensor) and out.dim() == len(spec):
-                return xs.mark_sharding_with_gradients(out, mesh, spec)
+                with torch._C.DisableTorchFunction():  # not one of the model's calls
+                    return xs.mark_sharding_with_gradients(out, mesh, spec)
             return None
 
         return hook
@@ -435,7 +518,8 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
             if len(hits) != 1:
                 return None
             k, a = hits[0]
-            a = constrain(a, mesh, spec, grad)
+            with torch._C.DisableTorchFunction():  # not one of the model's calls
+                a = constrain(a, mesh, spec, grad)
             if isinstance(k, int):
                 return (*args[:k], a, *args[k + 1:]), kwargs
             return args, {**kwargs, k: a}
@@ -478,7 +562,12 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
         if p is not None and p.requires_grad and spec is not None:  # replicated ones too (as parameters)
             rec.handles.append(p.register_hook(grad_to(_spec(spec, p.dim()))))
     rec.handles.append(model.register_forward_pre_hook(_batch_hook(rec), with_kwargs=True))
-    if rec.lowerings is not None and rec.lowerings.table:
+    if rec.lowerings is not None and plan.calls:
+        calls = rec.lowerings.calls = CallConstraints(model, mesh, plan.calls)
+        for m in {id(m): m for m in model.modules()}.values():  # first in, last out: around the user's hooks
+            rec.handles += [m.register_forward_pre_hook(calls.push, prepend=True),
+                            m.register_forward_hook(calls.pop, prepend=True, always_call=True)]
+    if rec.lowerings is not None and rec.lowerings.active:
         rec.handles.append(model.register_forward_pre_hook(rec.lowerings.enter))
         rec.handles.append(model.register_forward_hook(rec.lowerings.leave, always_call=True))
 

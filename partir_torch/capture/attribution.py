@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 
 class ForwardArgs:
@@ -78,6 +80,48 @@ class ModuleTracker:
             self.failed_in = self.stack[-1]
             self.failed_stack = list(self.stack)
         self.stack.clear()
+
+
+def returns_tensor(out: Any) -> bool:
+    """Whether a torch-function call made a tensor: calls that return none (`.shape`, `.dim()`, `.item()`)
+    are not counted, so a backend's own reads of shapes do not shift the count."""
+    return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
+
+
+class CallTracker(TorchFunctionMode):
+    """Numbers the torch-function calls that make tensors inside each module's forward (per module path, from
+    the model's call on) and stamps the FX nodes each call makes with its number (`meta["custom"]["call"]`),
+    so a plan can name an op inside a module's own `forward` (a `torch.cat` of two activations) as the engine
+    meets it: a backend counts the same calls in the same order (`backends/xla.CallConstraints`)."""
+
+    def __init__(self, tracker: ModuleTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.counts: dict[str, int] = {}
+        self.root: Any = None  # the model call being counted (its tracker entry): a new call counts from zero
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        stack = self.tracker.stack
+        if not stack:
+            return func(*args, **(kwargs or {}))
+        if stack[0] is not self.root:
+            self.root = stack[0]
+            self.counts.clear()
+        path = stack[-1][0]
+        k = self.counts.get(path, 0)
+        meta = fx_traceback.current_meta
+        before = meta.get("custom")
+        meta["custom"] = {**(before or {}), "call": k}
+        try:
+            out = func(*args, **(kwargs or {}))
+        finally:
+            if before is None:
+                meta.pop("custom", None)
+            else:
+                meta["custom"] = before
+        if returns_tensor(out):
+            self.counts[path] = k + 1
+        return out
 
 
 def tag_backward(loss: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Prog
     env: dict[torch.fx.Node, Any] = {}  # node -> value id, or tuple of value ids for multi-output ops
     fwd_module_by_seq: dict[int, str] = {}
     fwd_source_by_seq: dict[int, str] = {}
+    fwd_call_by_seq: dict[int, int] = {}
 
     def new_value(name: str, val: Any, role: Role, producer: int) -> int:
         if not isinstance(val, torch.Tensor):
@@ -82,8 +83,13 @@ def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Prog
             fwd_source_by_seq.setdefault(seq, source)
         elif source is None and seq is not None:
             source = fwd_source_by_seq.get(seq)
+        call = custom.get("call")
+        if call is not None and seq is not None:
+            fwd_call_by_seq.setdefault(seq, call)
+        elif call is None and seq is not None and custom.get("module") is None:
+            call = fwd_call_by_seq.get(seq)
         # kept on the node, so a re-trace that decomposes it (rules/decompose.py) attributes its parts too
-        node.meta["custom"] = {"module": module, "source": source}
+        node.meta["custom"] = {"module": module, "source": source, "call": call}
         ops.append(
             Op(
                 oid,
@@ -96,6 +102,7 @@ def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Prog
                 module,
                 node.target,
                 source,
+                call,
             )
         )
 
@@ -157,4 +164,4 @@ def assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> Non
         phase = Phase.FORWARD if i in fwd else Phase.BACKWARD if i in bwd else Phase.OPTIMIZER
         if phase is not Phase.FORWARD:
             ops[i] = Op(op.id, op.target, op.inputs, op.outputs, op.args, op.kwargs, phase, op.module, op.overload,
-                        op.source)
+                        op.source, op.call)

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
-from partir_torch.capture.attribution import ForwardArgs, ModuleTracker, tag_backward
+from partir_torch.capture.attribution import CallTracker, ForwardArgs, ModuleTracker, tag_backward
 from partir_torch.capture.checks import check_dtypes, check_functional
 from partir_torch.capture.convert import to_program
 from partir_torch.capture.decomp import FUNCTIONAL_DECOMPS
@@ -190,7 +190,7 @@ def capture(
             # mkldnn off: CPU dispatch would pick `mkldnn_rnn_layer` for nn.LSTM/GRU; the portable composite
             # (linear + pointwise per time step) is what other devices run and what the rules cover
             torch._C._set_mkldnn_enabled(False)
-            with fx_traceback.preserve_node_meta(), tracker, \
+            with fx_traceback.preserve_node_meta(), tracker, CallTracker(tracker), \
                     OpaqueModules(model, opaque, own_state, opaque_calls) as opaque_mods:
                 traced = (_functionalize_autograd(step) if opaque else
                           torch.func.functionalize(step, remove="mutations"))

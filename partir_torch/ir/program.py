@@ -86,6 +86,7 @@ class Op:
     module: str | None = None
     overload: Any = field(default=None, compare=False, repr=False)
     source: str | None = field(default=None, compare=False)  # `file.py:123` of the user code that emitted it
+    call: int | None = field(default=None, compare=False)  # which torch-function call of its module made it
 
     def __str__(self) -> str:
         outs = ", ".join(f"%{o}" for o in self.outputs)

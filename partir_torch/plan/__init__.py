@@ -20,7 +20,7 @@ from partir_torch.cost.hardware import format_bytes
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.sharding import divides, tile_count
-from partir_torch.plan.reads import module_inputs, module_outputs, output_shardings, param_reads
+from partir_torch.plan.reads import call_constraints, module_inputs, module_outputs, output_shardings, param_reads
 from partir_torch.propagate import ShardingState
 
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
@@ -35,6 +35,21 @@ class PlanSpecs:
     grads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec of its gradient
     module_inputs: dict[str, list] = field(default_factory=dict)  # module path -> [input spec, its gradient's or None]
     param_reads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec its module's forward reads it in
+    calls: dict[str, dict[str, dict]] = field(default_factory=dict)  # module path -> call number -> constraints
+
+
+def _calls_json(state: ShardingState) -> dict[str, dict[str, dict]]:
+    """`reads.call_constraints` as JSON: {path: {call: {"ins": [[shape, nth, spec, grad spec or None]], "out":
+    [shape, spec] or None}}}, a folded program's element 1 standing for elements 1..N-1."""
+    out: dict[str, dict[str, dict]] = {}
+    for (path, k), c in sorted(call_constraints(state).items()):
+        entry = {"ins": [[list(shape), nth, need.to_spec(), grad.to_spec() if grad is not None else None]
+                         for shape, nth, need, grad in c["ins"]],
+                 "out": [list(c["out"][0]), c["out"][1].to_spec()] if c["out"] is not None else None}
+        names = [k2.removesuffix(".") for k2 in full_names(path + ".", state.program.fold)] if path else [""]
+        for name in names:
+            out.setdefault(name, {})[str(k)] = entry
+    return out
 
 
 def _expander(p):
@@ -82,6 +97,7 @@ def specs(state: ShardingState) -> PlanSpecs:
         {k.removesuffix("."): [need.to_spec(), grad.to_spec() if grad is not None else None]
          for path, (_, need, grad) in module_inputs(state).items() for k in full_names(path + ".", fold)},
         expand({n: need.to_spec() for n, need in param_reads(state).items()}),
+        _calls_json(state),
     )
 
 
@@ -113,6 +129,7 @@ class ShardingPlan:
     grads: dict[str, Spec] = field(default_factory=dict)
     module_inputs: dict[str, list] = field(default_factory=dict)  # module path -> [input spec, its gradient's or None]
     param_reads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec its module's forward reads it in
+    calls: dict[str, dict[str, dict]] = field(default_factory=dict)  # module path -> call -> constraints (PlanSpecs)
     shapes: dict[str, Any] = field(default_factory=dict)  # {"params": {n: shape}, "buffers": ..., "inputs": [...]}
     input_args: list[int | str | None] = field(default_factory=list)  # forward argument of each input
     optimizer: str | None = None
@@ -136,7 +153,7 @@ class ShardingPlan:
                    hardware, sorted(dcn_axes), [c.describe(p) for c in state.conflicts], search,
                    buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}),
                    activations=sp.activations, grads=sp.grads, module_inputs=sp.module_inputs,
-                   param_reads=sp.param_reads, shapes=shapes,
+                   param_reads=sp.param_reads, calls=sp.calls, shapes=shapes,
                    input_args=list(p.input_args),
                    optimizer=p.optimizer, program_hash=p.content_hash())
 
@@ -144,14 +161,15 @@ class ShardingPlan:
     def specs(self) -> PlanSpecs:
         """What a backend applies."""
         return PlanSpecs(self.params, self.inputs, self.optimizer_state, self.activations, self.grads,
-                         self.module_inputs, self.param_reads)
+                         self.module_inputs, self.param_reads, self.calls)
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "mesh": {"axes": self.mesh, "dcn": self.dcn_axes}, "schedule": self.schedule,
                "hardware": self.hardware, "optimizer": self.optimizer, "program_hash": self.program_hash,
                "params": self.params, "buffers": self.buffers, "inputs": self.inputs, "input_args": self.input_args,
                "optimizer_state": self.optimizer_state, "activations": self.activations, "grads": self.grads,
-               "module_inputs": self.module_inputs, "param_reads": self.param_reads, "shapes": self.shapes,
+               "module_inputs": self.module_inputs, "param_reads": self.param_reads, "calls": self.calls,
+               "shapes": self.shapes,
                "cost": self.cost, "conflicts": self.conflicts, "blocked": self.blocked}
         if self.search is not None:
             out["search"] = self.search
@@ -168,7 +186,8 @@ class ShardingPlan:
         return cls(dict(d["mesh"]["axes"]), d["params"], d["inputs"], d["optimizer_state"], d["cost"],
                    d.get("schedule"), d.get("hardware"), list(d["mesh"].get("dcn", [])), d.get("conflicts", []),
                    d.get("search"), d.get("buffers", {}), d.get("activations", {}), d.get("grads", {}),
-                   d.get("module_inputs", {}), d.get("param_reads", {}), d.get("shapes", {}), d.get("input_args", []),
+                   d.get("module_inputs", {}), d.get("param_reads", {}), d.get("calls", {}), d.get("shapes", {}),
+                   d.get("input_args", []),
                    d.get("optimizer"), d.get("program_hash"), d.get("blocked", []), d.get("cache"))
 
     def save(self, path: str | os.PathLike) -> None:

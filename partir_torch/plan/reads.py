@@ -133,6 +133,66 @@ def param_reads(state: ShardingState) -> dict[str, Sharding]:
     return out
 
 
+def _calls(program) -> dict[tuple[str, int], list[int]]:
+    """{(module path, call number): its forward ops in op order} for the torch-function calls a module's own
+    forward makes (`capture.attribution.CallTracker`; the root's path is "")."""
+    from partir_torch.ir.program import Phase
+
+    out: dict[tuple[str, int], list[int]] = {}
+    for op in program.ops:
+        if op.phase is Phase.FORWARD and op.module is not None and op.call is not None:
+            out.setdefault((op.module, op.call), []).append(op.id)
+    return out
+
+
+def call_constraints(state: ShardingState) -> dict[tuple[str, int], dict]:
+    """{(module path, call number): {"ins": [(shape, nth, sharding, gradient's sharding or None)], "out":
+    (shape, sharding) or None}} for the torch-function calls inside modules' forwards where the plan reshards an
+    activation operand before the call's ops read it (`ins`: the operand is the `nth` tensor of its shape among
+    the call's tensor arguments, as the engine meets them) and the sharding of the one activation the call makes
+    for the ops after it (`out`; a pending sum as its readers reduce it). A backend constrains them at the call,
+    so the engine reshards where the cost model does, inside a module as at its boundary (`module_inputs`,
+    `output_shardings`): a `torch.cat` in a model's own forward whose operand the plan re-tiles, say."""
+    from partir_torch.ir.program import Phase, Role
+
+    program = state.program
+    ops, values, users = program.ops, program.values, program.users
+    backward: dict[tuple[str, int], set[int]] = {}
+    for op in ops:
+        if op.phase is Phase.BACKWARD and op.module is not None and op.call is not None:
+            backward.setdefault((op.module, op.call), set()).add(op.id)
+    out: dict[tuple[str, int], dict] = {}
+    for key, ids in _calls(program).items():
+        inside = set(ids)
+        made = {o for i in ids for o in ops[i].outputs if o >= 0}
+        operands: list[int] = []  # every tensor operand from before the call, in first-use order
+        for i in ids:
+            operands += [v for v in ops[i].inputs if v >= 0 and v not in made and v not in operands]
+        ins = []
+        for v in operands:
+            if values[v].role not in (Role.ACTIVATION, Role.INPUT):
+                continue
+            need = _read_as(state, v, inside)
+            if need is None or need == state.shard[v]:
+                continue
+            shape = values[v].shape
+            nth = sum(values[w].shape == shape for w in operands[:operands.index(v)])
+            ins.append((shape, nth, need, _grad_sent(state, v, backward.get(key, set()))))
+        escaping = [v for v in sorted(made) if values[v].role is Role.ACTIVATION
+                    and any(ops[u].phase is Phase.FORWARD and u not in inside for u in users[v])]
+        res = None
+        if len(escaping) == 1:
+            v = escaping[0]
+            sh = state.shard[v]
+            if sh.partial:
+                sh = _read_as(state, v, set(users[v]))
+            if sh is not None and not sh.chunks:
+                res = (values[v].shape, sh)
+        if ins or res is not None:
+            out[key] = {"ins": ins, "out": res}
+    return out
+
+
 def _views(program, v: int) -> set[int]:
     """`v` and the values made from it by chains of same-size single-operand ops (its views and casts)."""
     seen, todo = {v}, [v]
@@ -153,13 +213,21 @@ def _grad_read_as(state: ShardingState, v: int, path: str) -> Sharding | None:
     shape that its backward ops make and ops outside them use, as they make it, or, when that is a pending
     sum, as its first user reads it (reduce-scattered there: the tiled form); None when that is not one
     value or stays a sum."""
-    from partir_torch.ir.program import Phase, Role
-    from partir_torch.lower import op_shardings, required_operand
+    from partir_torch.ir.program import Phase
 
     program = state.program
     sub = path + "."
     mine = {op.id for op in program.ops if op.phase is Phase.BACKWARD and op.module
             and (op.module == path or op.module.startswith(sub))}
+    return _grad_sent(state, v, mine)
+
+
+def _grad_sent(state: ShardingState, v: int, mine: set[int]) -> Sharding | None:
+    """The sharding of the gradient the backward ops `mine` send back for `v` (`_grad_read_as`)."""
+    from partir_torch.ir.program import Role
+    from partir_torch.lower import op_shardings, required_operand
+
+    program = state.program
     shape = program.values[v].shape
     users = program.users
     sent = {w for o in mine for w in program.ops[o].outputs if w >= 0 and program.values[w].role is Role.ACTIVATION
