@@ -171,3 +171,34 @@ def test_a_module_output_that_is_a_pending_sum_is_constrained_as_its_reader_redu
     assert plan.activations["h.0.mlp"] == ["batch", None, None]
     rebuilt = ShardingPlan.from_json(json.loads(json.dumps({**plan.to_json(), "schedule": "searched: Auto"})))
     assert rebuilt.to_state(program).shard[out].partial == {"batch", "model"}  # rebuilt as it was searched
+
+
+class _Skip(torch.nn.Module):
+    """A `cat` in the model's own forward, where no module boundary can carry a constraint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Conv2d(3, 8, 1), torch.nn.Conv2d(3, 4, 1)
+        self.c = torch.nn.Conv2d(12, 2, 1)
+
+    def forward(self, x):
+        return self.c(torch.cat([self.a(x), self.b(x)], 1))
+
+
+def test_an_operand_the_plan_reshards_in_a_model_s_own_forward_is_named_by_its_call():
+    """`plan.calls`: the `cat` reads the channel-tiled conv output batch-tiled (an all-to-all in the plan); the
+    plan names that call (the root's first), the operand (the first of its shape) and both shardings, so a
+    backend constrains it there and the engine re-tiles it where the cost model does."""
+    from partir_torch.ir import Tile
+    from partir_torch.propagate import ShardingState
+
+    p = capture(_Skip(), (torch.randn(8, 3, 4, 4),), lambda m, x: m(x).sum(), "sgd")
+    state = ShardingState(p, Mesh.parse("batch=2,model=4"))
+    for a in (Tile("b.weight", 0, "model"), Tile("inputs[0]", 0, "model")):
+        state.apply(a)
+    plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="manual")
+    batch_tiled = ["model", None, None, None]
+    assert plan.calls[""]["0"] == {"ins": [[[8, 4, 4, 4], 0, batch_tiled, batch_tiled]],
+                                   "out": [[8, 12, 4, 4], batch_tiled]}
+    assert plan.calls["b"]["0"]["out"] == [[8, 4, 4, 4], [None, "model", None, None]]  # made channel-tiled
+    assert ShardingPlan.from_json(json.loads(json.dumps(plan.to_json()))).calls == plan.calls

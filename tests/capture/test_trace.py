@@ -54,6 +54,30 @@ def test_ops_link_back_to_modules_forward_and_backward(tiny):
     assert any(op.module == "blocks.0.norm" for op in p.ops if op.target == "aten.native_layer_norm_backward.default")
 
 
+def test_calls_inside_a_module_s_own_forward_are_numbered_as_a_backend_meets_them():
+    """Each torch-function call that makes a tensor inside a module's forward gets the next number of that
+    module (a backend counts the same calls to put the plan's constraints on them); reads of shapes make
+    none and are not counted, submodules count their own, and backward ops carry their forward call's."""
+
+    class Skip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            n = x.shape[0]  # not a tensor: not counted
+            y = torch.cat([self.lin(x), x], -1)
+            return (y * 2).reshape(n, -1)
+
+    model = Skip()
+    p = capture(model, (torch.randn(4, 6),), lambda m, x: m(x).sum(), "sgd")
+    fwd = [(op.target, op.call) for op in p.ops if op.phase is Phase.FORWARD and op.module == ""]
+    assert fwd == [("aten.cat.default", 0), ("aten.mul.Tensor", 1), ("aten.view.default", 2)]
+    assert {op.call for op in p.ops if op.module == "lin" and op.phase is Phase.FORWARD} == {0}
+    back = [(op.module, op.call) for op in p.ops if op.phase is Phase.BACKWARD and op.target == "aten.slice.Tensor"]
+    assert back and set(back) == {("", 0)}  # the cat's backward
+
+
 def test_program_is_flat_and_json_summary(tiny):
     model, inputs, loss_fn = tiny
     p = capture(model, inputs, loss_fn, "adamw")
