@@ -13,7 +13,7 @@ What `shard_module` does to the user's model, all of it undone by `unshard(model
    resolves conflicts its own way and runs another program than the one costed (docs/cost-model.md);
 3. a forward pre-hook on the root shards the batch tensors that reach `forward` (moving host tensors to
    the device), and checks their shapes against the plan's;
-4. while the root's forward runs, a `TorchFunctionMode` runs `F.layer_norm` and `F.group_norm` as
+4. while the root's forward runs, a `TorchFunctionMode` (`Lowerings`) runs `F.layer_norm` and `F.group_norm` as
    reductions over the normalized dims and `F.scaled_dot_product_attention` as einsums over [B, H, T, d]:
    torch_xla lowers the norms to batch-norm over a [1, B*T, D] (or [1, N*G, ...]) reshape and attention to
    matmuls over a [B*H, T, d] reshape, and GSPMD loses the batch / head sharding in all three (the same
@@ -21,6 +21,13 @@ What `shard_module` does to the user's model, all of it undone by `unshard(model
 5. each module whose input the plan reshards on entry (`plan.module_inputs`: LayerNorm's input gathered,
    say) gets a forward pre-hook that constrains that input (and its gradient) the same way, so that
    GSPMD reshards there and not after the module.
+6. inside modules' own forwards, where no module boundary is (a U-Net's skip `torch.cat` in the model's
+   `forward`, an MoE's dispatch einsums), the same `TorchFunctionMode` numbers the calls that make tensors
+   per module as the capture numbered them (`capture.attribution.CallTracker`) and applies `plan.calls`: an
+   operand the plan reshards before a call is constrained (with its gradient) as the call reads it, and the
+   call's result as the plan has it (`CallConstraints`). Views and in-place results are left as they are
+   (a constrained copy would not alias), and a module whose calls stop matching the capture's (a result
+   of another shape: its forward took another path on the device) is left to GSPMD, with one warning.
 The caller's original tensors are kept (not modified) for `unshard`, which copies the trained values back
 into them. The optimizer is rebuilt on the moved parameters (`shard_optimizer`): same class, param groups
 and hyperparameters, with `foreach=False` and `capturable=True` (implementation options: one graph per

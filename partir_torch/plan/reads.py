@@ -1,6 +1,7 @@
 """Where a module reads its tensors in another sharding than they have: the resharding a backend must
-apply at a module's boundary (its input, its parameters) so that the engine runs the plan's collectives
-once, where the cost model puts them, instead of resolving the conflict its own way."""
+apply at a module's boundary (its input, its parameters) or at a torch-function call inside its forward
+(`call_constraints`) so that the engine runs the plan's collectives once, where the cost model puts them,
+instead of resolving the conflict its own way."""
 
 from __future__ import annotations
 

@@ -333,3 +333,59 @@ def test_dropout_on_the_engine_draws_per_shard_masks_with_dropouts_statistics():
     torch.testing.assert_close(y[~dropped], z[~dropped] / (1 - p))
     shards = dropped.reshape(8, -1)  # the batch is split 8 ways (batch x model): two rows a shard
     assert all(not torch.equal(shards[0], s) for s in shards[1:])
+
+
+class Detour(nn.Module):
+    """Not a zoo model: its forward takes another path on the XLA device than at capture (an extra op)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "xla":
+            x = x * 1.0
+        return torch.cat([self.a(x), self.b(x)], -1).relu()
+
+
+def test_calls_counted_on_the_device_match_the_capture_and_a_forward_that_strays_is_left_alone(caplog):
+    """The engine numbers a module's calls as the capture did, so each of the plan's call constraints lands on
+    its op (every constrained module's calls are met, none lost); a forward that takes another path on the
+    device (Detour's extra op shifts its calls) gets no constraint from the stray call on, says so once, and
+    still trains like unsharded."""
+    import torch_xla
+
+    from partir_torch.backends.xla import sharded
+
+    model, batch = _tagger()
+    plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel;model:FSDP")
+    assert plan.calls
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, _ = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    with caplog.at_level(logging.WARNING):
+        tagger_loss(model, *partir_torch.shard_batch(model, *batch)).backward()
+        torch_xla.sync()
+    calls = sharded(model).lowerings.calls
+    assert not calls.lost and "makes" not in caplog.text
+    for path, cs in plan.calls.items():  # each module made at least as many calls as the plan numbers
+        assert calls.counts[path] > max(int(k) for k in cs), (path, calls.counts[path], sorted(cs))
+    partir_torch.unshard(model)
+
+    torch.manual_seed(0)
+    net, x = Detour(), torch.randn(8, 16)
+
+    def loss(m, x):
+        return m(x).square().mean()
+
+    plan = search(net, (x,), MESH, loss_fn=loss, optimizer="sgd", schedule="batch:BatchParallel;model:Megatron")
+    assert "" in plan.calls
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = partir_torch.auto_shard(net, (x,), MESH, loss_fn=loss, optimizer=opt, plan=plan)
+    with caplog.at_level(logging.WARNING):
+        losses = _train(net, opt, loss, (x,), 2, shard=True)
+    assert sharded(net).lowerings.calls.lost == {""}
+    assert "module '': call 0 of its forward makes [8, 16] where the capture had [8, 32]" in caplog.text
+    assert losses == pytest.approx(_train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), loss, (x,), 2, shard=False),
+                                   rel=1e-5)
+    partir_torch.unshard(net)
