@@ -202,3 +202,32 @@ def test_an_operand_the_plan_reshards_in_a_model_s_own_forward_is_named_by_its_c
                                    "out": [[8, 12, 4, 4], batch_tiled]}
     assert plan.calls["b"]["0"]["out"] == [[8, 4, 4, 4], [None, "model", None, None]]  # made channel-tiled
     assert ShardingPlan.from_json(json.loads(json.dumps(plan.to_json()))).calls == plan.calls
+
+
+def test_the_model_s_output_is_constrained_as_the_loss_reads_it():
+    """`plan.output`: a head tiled on vocab makes vocab-tiled logits, and the loss's softmax reads them
+    gathered (the plan's all-gather); the plan says so, with the gradient the softmax's backward sends back
+    (vocab-tiled, sliced locally), so a backend gathers at the model's end as the cost model does. A loss
+    that reads the output as it is leaves no constraint."""
+    from partir_torch.tactics import BatchParallel, Manual
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+
+        def forward(self, t):
+            return self.head(self.emb(t))
+
+    def xent(m, t, y):
+        return torch.nn.functional.cross_entropy(m(t).flatten(0, 1), y.flatten())
+
+    batch = (torch.randint(0, 32, (8, 4)), torch.randint(0, 32, (8, 4)))
+    mesh = Mesh.parse("batch=2,model=4")
+    tactics = [Manual({"head.weight": ["model", None], "head.bias": ["model"]}), BatchParallel("batch")]
+    state = apply_schedule(capture(Head(), batch, xent, "sgd"), mesh, tactics)
+    plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="manual")
+    assert plan.output == [[8, 4, 32], ["batch", None, None], ["batch", None, "model"]]
+    assert ShardingPlan.from_json(json.loads(json.dumps(plan.to_json()))).output == plan.output
+    state = apply_schedule(capture(Head(), batch, lambda m, t, y: m(t).square().mean(), "sgd"), mesh, tactics)
+    assert ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="m").output is None

@@ -517,6 +517,18 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
                            "the plan was made for another model (search again)") from e
         rec.handles.append(mod.register_forward_hook(constrain_to(_spec(spec, len(spec)))))
 
+    def as_the_loss_reads(shape: list[int], spec: tuple, grad: tuple | None):
+        def hook(mod, args, out):
+            leaves, tree = pytree.tree_flatten(out)
+            hits = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and list(t.shape) == shape]
+            if len(hits) != 1:
+                return None
+            with torch._C.DisableTorchFunction():  # not one of the model's calls
+                leaves[hits[0]] = constrain(leaves[hits[0]], mesh, spec, grad)
+            return pytree.tree_unflatten(leaves, tree)
+
+        return hook
+
     def read_as(spec: tuple, grad: tuple | None, shape: list[int] | None):
         def hook(mod, args, kwargs):
             slots = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -532,6 +544,11 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
             return args, {**kwargs, k: a}
 
         return hook
+
+    if plan.output is not None:  # the model's output as the loss reads it (`plan/reads.model_output`)
+        shape, spec, grad = plan.output
+        rec.handles.append(model.register_forward_hook(
+            as_the_loss_reads(shape, _spec(spec, len(spec)), _spec(grad, len(grad)) if grad is not None else None)))
 
     in_shapes = plan.shapes.get("module_inputs", {})
     for path, (spec, grad) in plan.module_inputs.items():  # where the plan reshards a module's input on entry

@@ -20,7 +20,14 @@ from partir_torch.cost.hardware import format_bytes
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.sharding import divides, tile_count
-from partir_torch.plan.reads import call_constraints, module_inputs, module_outputs, output_shardings, param_reads
+from partir_torch.plan.reads import (
+    call_constraints,
+    model_output,
+    module_inputs,
+    module_outputs,
+    output_shardings,
+    param_reads,
+)
 from partir_torch.propagate import ShardingState
 
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
@@ -36,6 +43,15 @@ class PlanSpecs:
     module_inputs: dict[str, list] = field(default_factory=dict)  # module path -> [input spec, its gradient's or None]
     param_reads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec its module's forward reads it in
     calls: dict[str, dict[str, dict]] = field(default_factory=dict)  # module path -> call number -> constraints
+    output: list | None = None  # [shape, spec the loss reads the model's output in, its gradient's or None]
+
+
+def _output_json(state: ShardingState) -> list | None:
+    got = model_output(state)
+    if got is None:
+        return None
+    v, need, grad = got
+    return [list(state.program.values[v].shape), need.to_spec(), grad.to_spec() if grad is not None else None]
 
 
 def _calls_json(state: ShardingState) -> dict[str, dict[str, dict]]:
@@ -98,6 +114,7 @@ def specs(state: ShardingState) -> PlanSpecs:
          for path, (_, need, grad) in module_inputs(state).items() for k in full_names(path + ".", fold)},
         expand({n: need.to_spec() for n, need in param_reads(state).items()}),
         _calls_json(state),
+        _output_json(state),
     )
 
 
@@ -130,6 +147,7 @@ class ShardingPlan:
     module_inputs: dict[str, list] = field(default_factory=dict)  # module path -> [input spec, its gradient's or None]
     param_reads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec its module's forward reads it in
     calls: dict[str, dict[str, dict]] = field(default_factory=dict)  # module path -> call -> constraints (PlanSpecs)
+    output: list | None = None  # the model's output as the loss reads it (PlanSpecs)
     shapes: dict[str, Any] = field(default_factory=dict)  # {"params": {n: shape}, "buffers": ..., "inputs": [...]}
     input_args: list[int | str | None] = field(default_factory=list)  # forward argument of each input
     optimizer: str | None = None
@@ -153,7 +171,7 @@ class ShardingPlan:
                    hardware, sorted(dcn_axes), [c.describe(p) for c in state.conflicts], search,
                    buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}),
                    activations=sp.activations, grads=sp.grads, module_inputs=sp.module_inputs,
-                   param_reads=sp.param_reads, calls=sp.calls, shapes=shapes,
+                   param_reads=sp.param_reads, calls=sp.calls, output=sp.output, shapes=shapes,
                    input_args=list(p.input_args),
                    optimizer=p.optimizer, program_hash=p.content_hash())
 
@@ -161,7 +179,7 @@ class ShardingPlan:
     def specs(self) -> PlanSpecs:
         """What a backend applies."""
         return PlanSpecs(self.params, self.inputs, self.optimizer_state, self.activations, self.grads,
-                         self.module_inputs, self.param_reads, self.calls)
+                         self.module_inputs, self.param_reads, self.calls, self.output)
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "mesh": {"axes": self.mesh, "dcn": self.dcn_axes}, "schedule": self.schedule,
@@ -169,7 +187,7 @@ class ShardingPlan:
                "params": self.params, "buffers": self.buffers, "inputs": self.inputs, "input_args": self.input_args,
                "optimizer_state": self.optimizer_state, "activations": self.activations, "grads": self.grads,
                "module_inputs": self.module_inputs, "param_reads": self.param_reads, "calls": self.calls,
-               "shapes": self.shapes,
+               "output": self.output, "shapes": self.shapes,
                "cost": self.cost, "conflicts": self.conflicts, "blocked": self.blocked}
         if self.search is not None:
             out["search"] = self.search
@@ -186,7 +204,8 @@ class ShardingPlan:
         return cls(dict(d["mesh"]["axes"]), d["params"], d["inputs"], d["optimizer_state"], d["cost"],
                    d.get("schedule"), d.get("hardware"), list(d["mesh"].get("dcn", [])), d.get("conflicts", []),
                    d.get("search"), d.get("buffers", {}), d.get("activations", {}), d.get("grads", {}),
-                   d.get("module_inputs", {}), d.get("param_reads", {}), d.get("calls", {}), d.get("shapes", {}),
+                   d.get("module_inputs", {}), d.get("param_reads", {}), d.get("calls", {}), d.get("output"),
+                   d.get("shapes", {}),
                    d.get("input_args", []),
                    d.get("optimizer"), d.get("program_hash"), d.get("blocked", []), d.get("cache"))
 

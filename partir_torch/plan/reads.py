@@ -134,6 +134,29 @@ def param_reads(state: ShardingState) -> dict[str, Sharding]:
     return out
 
 
+def model_output(state: ShardingState) -> tuple[int, Sharding, Sharding | None] | None:
+    """(the model's output, the sharding the loss function reads it in, the sharding of the gradient the
+    loss's backward sends back for it or None) when the loss reshards the one activation the model returns
+    (a GPT's logits tiled on vocab, gathered for the softmax): a backend constrains the model's output to it,
+    so the engine reshards there as the cost model does (XLA would otherwise compute the softmax on the tiles
+    with statistics the plan does not have); None when the loss reads it as it is, or in several shardings."""
+    from partir_torch.ir.program import Phase, Role
+
+    program = state.program
+    ops, users = program.ops, program.users
+    loss = {op.id for op in ops if op.phase is Phase.FORWARD and op.module is None}
+    made = [o for op in ops if op.phase is Phase.FORWARD and op.module is not None for o in op.outputs if o >= 0]
+    out = [v for v in made if program.values[v].role is Role.ACTIVATION and any(u in loss for u in users[v])]
+    if len(out) != 1:
+        return None
+    v = out[0]
+    need = _read_as(state, v, loss)
+    if need is None or need == state.shard[v]:
+        return None
+    back = {op.id for op in ops if op.phase is Phase.BACKWARD and op.module is None}
+    return v, need, _grad_sent(state, v, back)
+
+
 def _calls(program) -> dict[tuple[str, int], list[int]]:
     """{(module path, call number): its forward ops in op order} for the torch-function calls a module's own
     forward makes (`capture.attribution.CallTracker`; the root's path is "")."""
