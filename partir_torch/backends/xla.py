@@ -28,6 +28,9 @@ What `shard_module` does to the user's model, all of it undone by `unshard(model
    call's result as the plan has it (`CallConstraints`). Views and in-place results are left as they are
    (a constrained copy would not alias), and a module whose calls stop matching the capture's (a result
    of another shape: its forward took another path on the device) is left to GSPMD, with one warning.
+7. the model's output, when the loss function reshards it (a vocab-tiled head's logits gathered for the
+   softmax; `plan.output`), is constrained to the sharding the loss reads it in, with the gradient the
+   loss's backward sends back: the loss runs outside the model, where no hook reaches.
 The caller's original tensors are kept (not modified) for `unshard`, which copies the trained values back
 into them. The optimizer is rebuilt on the moved parameters (`shard_optimizer`): same class, param groups
 and hyperparameters, with `foreach=False` and `capturable=True` (implementation options: one graph per
