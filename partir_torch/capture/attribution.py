@@ -88,6 +88,22 @@ def returns_tensor(out: Any) -> bool:
     return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
 
 
+class CallStamp:
+    """The number a call's FX nodes carry (`meta["custom"]["call"]`) and the shape of its result (a backend
+    meets that tensor; the graph may hold it as a reshaped value), settled when the call returns: None for a
+    call that made no tensor (an in-place `__setitem__`), whose nodes are no call of their own; node meta
+    is copied shallowly, so every node made during the call shares this object."""
+
+    __slots__ = ("k", "shape")
+
+    def __init__(self, k: int) -> None:
+        self.k: int | None = k
+        self.shape: tuple[int, ...] | None = None  # the call's result, when it is one tensor
+
+    def __repr__(self) -> str:
+        return f"call {self.k}"
+
+
 class CallTracker(TorchFunctionMode):
     """Numbers the torch-function calls that make tensors inside each module's forward (per module path, from
     the model's call on) and stamps the FX nodes each call makes with its number (`meta["custom"]["call"]`),
@@ -111,7 +127,8 @@ class CallTracker(TorchFunctionMode):
         k = self.counts.get(path, 0)
         meta = fx_traceback.current_meta
         before = meta.get("custom")
-        meta["custom"] = {**(before or {}), "call": k}
+        stamp = CallStamp(k)
+        meta["custom"] = {**(before or {}), "call": stamp}
         try:
             out = func(*args, **(kwargs or {}))
         finally:
@@ -121,11 +138,26 @@ class CallTracker(TorchFunctionMode):
                 meta["custom"] = before
         if returns_tensor(out):
             self.counts[path] = k + 1
+            if isinstance(out, torch.Tensor):
+                stamp.shape = tuple(out.shape)
+        else:
+            stamp.k = None
         return out
 
 
+def _enter_grad_fn(seq: int) -> None:
+    fx_traceback.set_grad_fn_seq_nr(seq)
+    fx_traceback.current_meta["custom"] = {"backward": True}  # (forward ops' sequence numbers can collide)
+
+
+def _leave_grad_fn() -> None:
+    fx_traceback.reset_grad_fn_seq_nr()
+    fx_traceback.current_meta.pop("custom", None)
+
+
 def tag_backward(loss: torch.Tensor) -> None:
-    """Make backward ops carry the autograd sequence number of the forward op they differentiate."""
+    """Make backward ops carry the autograd sequence number of the forward op they differentiate, and say
+    that they are backward ops (only those inherit their forward op's call, `capture.convert`)."""
     seen: set[Any] = set()
     todo = [loss.grad_fn]
     while todo:
@@ -134,6 +166,6 @@ def tag_backward(loss: torch.Tensor) -> None:
             continue
         seen.add(node)
         seq = node._sequence_nr()
-        node.register_prehook(lambda _g, seq=seq: fx_traceback.set_grad_fn_seq_nr(seq))
-        node.register_hook(lambda _gi, _go: fx_traceback.reset_grad_fn_seq_nr())
+        node.register_prehook(lambda _g, seq=seq: _enter_grad_fn(seq))
+        node.register_hook(lambda _gi, _go: _leave_grad_fn())
         todo.extend(fn for fn, _ in node.next_functions)

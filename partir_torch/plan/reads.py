@@ -202,7 +202,8 @@ def call_constraints(state: ShardingState) -> dict[tuple[str, int], dict]:
             shape = values[v].shape
             nth = sum(values[w].shape == shape for w in operands[:operands.index(v)])
             ins.append((shape, nth, need, _grad_sent(state, v, backward.get(key, set()))))
-        escaping = [v for v in sorted(made) if values[v].role is Role.ACTIVATION
+        shape = ops[ids[-1]].call_shape  # the call's result as the engine meets it
+        escaping = [v for v in sorted(made) if values[v].role is Role.ACTIVATION and values[v].shape == shape
                     and any(ops[u].phase is Phase.FORWARD and u not in inside for u in users[v])]
         res = None
         if len(escaping) == 1:

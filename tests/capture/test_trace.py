@@ -57,7 +57,9 @@ def test_ops_link_back_to_modules_forward_and_backward(tiny):
 def test_calls_inside_a_module_s_own_forward_are_numbered_as_a_backend_meets_them():
     """Each torch-function call that makes a tensor inside a module's forward gets the next number of that
     module (a backend counts the same calls to put the plan's constraints on them); reads of shapes make
-    none and are not counted, submodules count their own, and backward ops carry their forward call's."""
+    none and are not counted, nor is an assignment (its ops belong to no call: with the next call's number
+    they would make that call's result look like the assigned tensor), submodules count their own, and
+    backward ops carry their forward call's."""
 
     class Skip(nn.Module):
         def __init__(self) -> None:
@@ -76,6 +78,18 @@ def test_calls_inside_a_module_s_own_forward_are_numbered_as_a_backend_meets_the
     assert {op.call for op in p.ops if op.module == "lin" and op.phase is Phase.FORWARD} == {0}
     back = [(op.module, op.call) for op in p.ops if op.phase is Phase.BACKWARD and op.target == "aten.slice.Tensor"]
     assert back and set(back) == {("", 0)}  # the cat's backward
+
+    class Masked(nn.Module):
+        def forward(self, x):
+            y = x.new_zeros(x.shape)
+            y[:, 0] = 1.0  # in place, returns None: no call of its own
+            return (x * y).sum(-1)
+
+    p = capture(Masked(), (torch.randn(4, 6, requires_grad=True),), lambda m, x: m(x).sum(), "sgd")
+    fwd = [(op.target, op.call) for op in p.ops if op.phase is Phase.FORWARD and op.module == ""]
+    assert [f for f in fwd if f[1] is not None] == [("aten.new_zeros.default", 0), ("aten.mul.Tensor", 1),
+                                                   ("aten.sum.dim_IntList", 2)]
+    assert len(fwd) > 3  # the assignment's ops, numbered as no call
 
 
 def test_program_is_flat_and_json_summary(tiny):
