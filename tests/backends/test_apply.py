@@ -389,3 +389,31 @@ def test_calls_counted_on_the_device_match_the_capture_and_a_forward_that_strays
     assert losses == pytest.approx(_train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), loss, (x,), 2, shard=False),
                                    rel=1e-5)
     partir_torch.unshard(net)
+
+
+@pytest.mark.parametrize("name", ["tv-swin", "tv-convnext"])
+def test_users_models_keep_every_call_constraint_on_the_device(name, caplog):
+    """torchvision's Swin (a shifted-window mask built by item assignment inside its attention function) and
+    ConvNeXt (a linear over [N, H, W, C], which the graph holds as [N*H*W, C]) meet each numbered call on the
+    device as the capture did: no module loses its constraints, and training equals unsharded."""
+    from partir_torch.backends.xla import sharded
+    from partir_torch.models.thirdparty import BUILDERS
+
+    pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model, inputs, loss_fn = BUILDERS[name]()
+    for m in model.modules():  # (torchvision draws stochastic depth and attention dropout from floats)
+        for a in ("p", "dropout", "attention_dropout"):
+            if isinstance(getattr(m, a, None), float):
+                setattr(m, a, 0.0)
+    ref = copy.deepcopy(model)
+    plan = search(model, inputs, MESH, loss_fn=loss_fn, optimizer="sgd", schedule="batch:BatchParallel;model:FSDP")
+    assert sum(len(c) for c in plan.calls.values()) > 10
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = partir_torch.auto_shard(model, inputs, MESH, loss_fn=loss_fn, optimizer=opt, plan=plan)
+    with caplog.at_level(logging.WARNING):
+        losses = _train(model, opt, loss_fn, inputs, 2, shard=True)
+    assert not sharded(model).lowerings.calls.lost, caplog.text
+    ref_losses = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.01), loss_fn, inputs, 2, shard=False)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    partir_torch.unshard(model)
