@@ -328,13 +328,15 @@ class CallConstraints:
             return out
         if out._is_view() or _mutates(func, kwargs) or any(out is a for a in args):
             return out  # aliasing kept: a constrained copy would not see later in-place writes
+        if out.device.type != "xla" or out.dim() == 0:
+            return out  # a host constant the model makes (`torch.tensor(d ** 0.5)`), or a scalar
         return constrain(out, self.mesh, _spec(spec, len(spec)), _spec(spec, len(spec)))
 
     def _inputs(self, ins: list, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         leaves, tree = pytree.tree_flatten((args, kwargs))
         for shape, nth, spec, grad in ins:
             hits = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and list(t.shape) == shape]
-            if nth < len(hits):
+            if nth < len(hits) and leaves[hits[nth]].device.type == "xla":  # (not a host constant)
                 i = hits[nth]
                 leaves[i] = constrain(leaves[i], self.mesh, _spec(spec, len(spec)),
                                       _spec(grad, len(grad)) if grad is not None else None)
@@ -523,7 +525,8 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
     def as_the_loss_reads(shape: list[int], spec: tuple, grad: tuple | None):
         def hook(mod, args, out):
             leaves, tree = pytree.tree_flatten(out)
-            hits = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and list(t.shape) == shape]
+            hits = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and list(t.shape) == shape
+                    and t.device.type == "xla"]
             if len(hits) != 1:
                 return None
             with torch._C.DisableTorchFunction():  # not one of the model's calls

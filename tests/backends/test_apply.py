@@ -417,3 +417,35 @@ def test_users_models_keep_every_call_constraint_on_the_device(name, caplog):
     ref_losses = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.01), loss_fn, inputs, 2, shard=False)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     partir_torch.unshard(model)
+
+
+class Scaled(nn.Module):
+    """Not a zoo model: a host constant made in forward (transformers' Gemma scales its embeddings so)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * torch.tensor(x.shape[-1] ** 0.5, dtype=x.dtype)
+
+
+def test_a_host_constant_made_in_forward_is_left_on_the_host():
+    """The capture holds `torch.tensor(...)` as an activation of the step, so the plan may constrain its call;
+    on the device it is a host tensor that the engine moves itself: it is left alone, and training equals
+    unsharded."""
+    torch.manual_seed(0)
+    net, x = Scaled(), torch.randn(8, 16)
+
+    def loss(m, x):
+        return m(x).square().mean()
+
+    plan = search(net, (x,), MESH, loss_fn=loss, optimizer="sgd", schedule="batch:BatchParallel")
+    assert plan.calls[""]["0"]["out"][0] == []  # the constant's call
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = partir_torch.auto_shard(net, (x,), MESH, loss_fn=loss, optimizer=opt, plan=plan)
+    losses = _train(net, opt, loss, (x,), 2, shard=True)
+    assert losses == pytest.approx(_train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), loss, (x,), 2, shard=False),
+                                   rel=1e-5)
+    partir_torch.unshard(net)
