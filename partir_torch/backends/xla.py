@@ -267,6 +267,8 @@ class Lowerings(TorchFunctionMode):
         self.depth += 1
 
     def leave(self, *_: Any) -> None:
+        if self.depth == 0:  # the forward failed before `enter` ran (a pre-hook raised: a bad batch)
+            return
         self.depth -= 1
         if self.active and self.depth == 0:
             self.__exit__(None, None, None)

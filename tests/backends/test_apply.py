@@ -229,6 +229,10 @@ def test_bad_requests_are_named():
     with pytest.raises(PartirError, match=r"input 0 has shape \[3, 16\], the plan was made for \[8, 16\]: "
                                           r"input 0 dim 0 \(size 3\) does not divide over \['batch'\].*drop_last=True"):
         model(batch[0][:3])
+    from partir_torch.backends.xla import sharded
+
+    model(batch[0])  # the next, good batch runs with the plan's constraints again (the failed call left none)
+    assert sharded(model).lowerings.depth == 0 and sharded(model).lowerings.calls.counts
     partir_torch.unshard(model)
 
 
