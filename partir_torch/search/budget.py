@@ -3,6 +3,10 @@ baselines. `INTERRUPTED` (Ctrl-C) ends every phase with its best plan (`tactics.
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from partir_torch.errors import PartirError
@@ -11,9 +15,33 @@ from partir_torch.search.goals import Score
 from partir_torch.search.space import Action
 from partir_torch.tactics import INTERRUPTED
 
-__all__ = ["DEFAULT_EPISODES", "INTERRUPTED", "Budget", "Result", "Stats"]
+__all__ = ["DEFAULT_EPISODES", "INTERRUPTED", "Budget", "Result", "Stats", "ctrl_c_ends_search"]
 
 DEFAULT_EPISODES = 200  # the budget when none is given (`Budget()`, `Budget.parse(None)`, `SearchConfig()`)
+
+
+@contextmanager
+def ctrl_c_ends_search() -> Iterator[None]:
+    """While a search runs in the main thread with Python's default Ctrl-C handling, Ctrl-C sets `INTERRUPTED`
+    (the search then ends with its best plan) instead of raising: a KeyboardInterrupt raised while a
+    finalizer runs (garbage collection of an XLA tensor, say) is printed and dropped by Python, and the
+    search would run to its budget. A second Ctrl-C raises as usual. Elsewhere the search catches the
+    KeyboardInterrupt itself."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def handler(signum, frame) -> None:
+        if INTERRUPTED.is_set():
+            signal.default_int_handler(signum, frame)
+        INTERRUPTED.set()
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @dataclass(frozen=True)

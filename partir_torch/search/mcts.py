@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 
 from partir_torch.propagate import ShardingState
-from partir_torch.search.budget import DEFAULT_EPISODES, INTERRUPTED, Budget, Result, Stats
+from partir_torch.search.budget import DEFAULT_EPISODES, INTERRUPTED, Budget, Result, Stats, ctrl_c_ends_search
 from partir_torch.search.goals import Evaluator
 from partir_torch.search.local import Fingerprint, LocalSearch, Plan, simplify
 from partir_torch.search.space import Action, Plans, decided_bytes
@@ -238,32 +238,32 @@ class MCTS:
             task = bar.add_task(f"MCTS on {', '.join(self.axes)}", total=budget.episodes or None)
         end = None if main.seconds is None else t0 + main.seconds
         try:
-            while not INTERRUPTED.is_set():
-                while True:
-                    if INTERRUPTED.is_set():
+            with ctrl_c_ends_search():  # (Ctrl-C sets INTERRUPTED: the loops below end)
+                while not INTERRUPTED.is_set():
+                    while True:
+                        if INTERRUPTED.is_set():
+                            break
+                        if main.episodes is not None and self.stats.episodes >= main.episodes:
+                            break
+                        if end is not None and time.perf_counter() >= end:
+                            break
+                        if not self.root.untried and not self.root.children:
+                            break  # nothing to do on these axes
+                        self.episode()
+                        if bar is not None:
+                            bar.update(task, advance=1, description=f"MCTS on {', '.join(self.axes)}: best "
+                                       f"{'fits' if not self.best[0].infeasible else 'does not fit'}, "
+                                       f"{self.best[0].objective * 1e3:.2f} ms")
+                    if refine > 0:
+                        n = None if budget.episodes is None else max(8, int(budget.episodes * refine * 4))
+                        self.local.refine(None if budget.seconds is None else t0 + budget.seconds, n, starts)
+                    if end is None or (not self.root.untried and not self.root.children):
                         break
-                    if main.episodes is not None and self.stats.episodes >= main.episodes:
+                    left = t0 + budget.seconds - time.perf_counter()
+                    if left < 0.05 * budget.seconds:
                         break
-                    if end is not None and time.perf_counter() >= end:
-                        break
-                    if not self.root.untried and not self.root.children:
-                        break  # nothing to do on these axes
-                    self.episode()
-                    if bar is not None:
-                        bar.update(task, advance=1, description=f"MCTS on {', '.join(self.axes)}: best "
-                                   f"{'fits' if not self.best[0].infeasible else 'does not fit'}, "
-                                   f"{self.best[0].objective * 1e3:.2f} ms")
-                if refine > 0:
-                    self.local.refine(None if budget.seconds is None else t0 + budget.seconds,
-                                      None if budget.episodes is None else max(8, int(budget.episodes * refine * 4)),
-                                      starts)
-                if end is None or (not self.root.untried and not self.root.children):
-                    break
-                left = t0 + budget.seconds - time.perf_counter()
-                if left < 0.05 * budget.seconds:
-                    break
-                # the refinement ended early: search on (a refinement-only run too: its tree starts then)
-                end = time.perf_counter() + left * (1 - refine if refine < 1 else 0.8)
+                    # the refinement ended early: search on (a refinement-only run too: its tree starts then)
+                    end = time.perf_counter() + left * (1 - refine if refine < 1 else 0.8)
         except KeyboardInterrupt:  # Ctrl-C: the best plan so far is the answer (of this and every later phase)
             INTERRUPTED.set()
         finally:
