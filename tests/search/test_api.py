@@ -138,8 +138,21 @@ class _Finalized:
         sum(range(100))  # (the handler runs in this frame)
 
 
+@pytest.fixture
+def python_sigint():
+    """The terminal's Ctrl-C reaching Python's own handling, as in a user's process: in the full suite a test
+    before this one in the same worker can leave SIGINT otherwise handled (found in CI: the searches ran
+    their whole budget); what it found is restored after."""
+    import signal
+
+    found = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield found
+    signal.signal(signal.SIGINT, found)
+
+
 @pytest.mark.parametrize("where", ["episode", "finalizer"])
-def test_ctrl_c_during_a_search_returns_the_best_plan_so_far(monkeypatch, where):
+def test_ctrl_c_during_a_search_returns_the_best_plan_so_far(monkeypatch, where, python_sigint):
     """SIGINT at the 30th episode of a 60 s search: the search ends at once with the best plan it had, says so,
     and raises nothing. Also when the signal arrives while a finalizer runs (the garbage collection of an
     earlier test's XLA tensors, say): a KeyboardInterrupt raised there would be dropped by Python and the
@@ -169,7 +182,7 @@ def test_ctrl_c_during_a_search_returns_the_best_plan_so_far(monkeypatch, where)
         warnings.simplefilter("always")
         plan = search(model, inputs, "batch=2,model=4", loss_fn=loss_fn, budget="60s", memory="120KiB",
                       require_fit=False)
-    assert time.perf_counter() - t0 < 20
+    assert time.perf_counter() - t0 < 20, (count[0], f"SIGINT was handled by {python_sigint!r} before the test")
     assert any("search interrupted (Ctrl-C): the plan is the best found so far" in str(w.message) for w in seen)
     assert 30 <= count[0] < 40
     assert any(any(s) for s in [*plan.params.values(), *plan.inputs] if s)  # a plan (data parallel, at least)
