@@ -159,7 +159,7 @@ def capture(
             tag_backward(loss)
             return loss.reshape(())
 
-        if opaque:  # torch.func's transforms cannot differentiate a custom op: autograd, as aot_autograd does
+        if by_autograd:  # torch.func cannot differentiate a custom op or an old-style autograd.Function
             leaves = [p_vals[n].detach().requires_grad_() for n in trainable]
             with torch.enable_grad():
                 loss = loss_of(leaves, b_vals)
@@ -183,6 +183,7 @@ def capture(
     saved = [(mod, kind, n, obj) for mod in model.modules() for kind in ("_parameters", "_buffers")
              for n, obj in getattr(mod, kind).items()]
     opaque: list[str] = []  # modules captured as one op each (fallback=True, `capture/opaque.py`)
+    old_function = False  # an autograd.Function without setup_context (BLOOM's GeLU): torch.func rejects it
     own_state = {**params, **buffers}
     opaque_calls: dict = {}
     while True:
@@ -190,14 +191,19 @@ def capture(
             # mkldnn off: CPU dispatch would pick `mkldnn_rnn_layer` for nn.LSTM/GRU; the portable composite
             # (linear + pointwise per time step) is what other devices run and what the rules cover
             torch._C._set_mkldnn_enabled(False)
+            by_autograd = bool(opaque) or old_function  # (read by `step`, as aot_autograd differentiates)
             with fx_traceback.preserve_node_meta(), tracker, CallTracker(tracker), \
                     OpaqueModules(model, opaque, own_state, opaque_calls) as opaque_mods:
-                traced = (_functionalize_autograd(step) if opaque else
+                traced = (_functionalize_autograd(step) if by_autograd else
                           torch.func.functionalize(step, remove="mutations"))
                 gm = make_fx(traced, decomposition_table=FUNCTIONAL_DECOMPS, tracing_mode="fake",
                              record_stack_traces=sources)(*fakes)
             break
         except Exception as e:  # translate torch's errors into ones that name what to change
+            if not old_function and mode == "train" and _old_style_function(e):
+                old_function = True  # differentiated by autograd instead (its backward traced as it runs)
+                tracker.failed_in, tracker.failed_stack = None, []
+                continue
             path = _opaque_candidate(e, tracker, opaque) if fallback else None
             if path is None:
                 if isinstance(e, CaptureError):
@@ -253,6 +259,16 @@ def capture(
     program.groups = _groups(model, program, spec)
     program.capture_time_s = time.perf_counter() - t0
     return program
+
+
+def _old_style_function(e: BaseException) -> bool:
+    """Whether `e` is torch.func's refusal of an `autograd.Function` that has no `setup_context`: autograd
+    itself differentiates those (as eager training does), so capture takes that path instead."""
+    while e is not None:
+        if isinstance(e, RuntimeError) and "must override the setup_context staticmethod" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _opaque_candidate(e: Exception, tracker: ModuleTracker, opaque: list[str]) -> str | None:

@@ -151,3 +151,39 @@ def test_buffer_mutations_become_outputs_with_eager_values():
     _mse(model, x, y)  # eager forward in train mode updates the running statistics
     torch.testing.assert_close(out[new_mean.id], model.bn.running_mean)
     torch.testing.assert_close(out[p.value("updated[bn.running_var]").id], model.bn.running_var)
+
+
+class _Gelu(torch.autograd.Function):
+    """An old-style autograd.Function (forward takes ctx, no setup_context), as BLOOM's GeLU is: torch.func
+    refuses it, so capture differentiates the step with autograd, which runs this backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return g * 2.0 * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
+class _OldStyle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.down(_Gelu.apply(self.up(x)))
+
+
+def test_an_autograd_function_without_setup_context_is_differentiated_by_its_own_backward():
+    torch.manual_seed(0)
+    model, x, y = _OldStyle(), torch.randn(6, 4), torch.randn(6, 2)
+    p = capture(model, (x, y), _mse, None)
+    out = p.run(dict(model.named_parameters()), {}, (x, y))
+    _mse(model, x, y).backward()
+    for n, q in model.named_parameters():  # the Function's backward (its factor 2.0 included), not gelu's
+        torch.testing.assert_close(out[p.grads[n]], q.grad)
+    assert {op.module for op in p.ops if op.phase is Phase.BACKWARD and op.module} >= {"up", "down"}
