@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 def plan_for(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
              loss_fn: Callable[..., torch.Tensor], optimizer, schedule=None, hardware=None, memory=None,
              budget=None, seed: int = 0, plan: ShardingPlan | str | os.PathLike | None = None,
-             progress: bool = False, fallback: bool = False, cache: bool = True) -> tuple[ShardingPlan, Mesh]:
+             progress: bool = False, fallback: bool = False, cache: bool = True,
+             assume_compiling: bool = False) -> tuple[ShardingPlan, Mesh]:
     """The plan `auto_shard` applies: searched, or the one given (a `ShardingPlan` or a saved plan's path),
     checked against the model, its example inputs and the mesh."""
     m, dcn = parse_mesh(mesh)
@@ -43,7 +44,8 @@ def plan_for(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Te
 
         plan = search(model, example_inputs, m, loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
                       hardware=hardware or "cpu-virtual", memory=parse_bytes(memory), dcn_axes=dcn, seed=seed,
-                      budget=budget, progress=progress, fallback=fallback, cache=cache)
+                      budget=budget, progress=progress, fallback=fallback, cache=cache,
+                      assume_compiling=assume_compiling)
     elif not isinstance(plan, ShardingPlan):
         plan = ShardingPlan.load(plan)
     plan.check(model, example_inputs, mesh=dict(m.axes))
@@ -54,8 +56,8 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
                loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer, schedule=None,
                hardware: str | None = None, memory: float | str | None = None, budget: str | int | None = None,
                seed: int = 0, plan: ShardingPlan | str | os.PathLike | None = None,
-               progress: bool = False, fallback: bool = False,
-               cache: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
+               progress: bool = False, fallback: bool = False, cache: bool = True,
+               assume_compiling: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Shard `model`'s training step over `mesh` and return `(model, optimizer)` to train with.
 
     `mesh`: `{"batch": 2, "model": 4}`, `"batch=2:dcn,model=4"` or a `Mesh`. `loss_fn(model, *inputs)` is the
@@ -63,8 +65,8 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     torch.optim optimizer on `model.parameters()`; a new one of the same class, groups and hyperparameters
     is returned on the sharded parameters, its states sharded as the plan says. `schedule`, `hardware`,
     `memory` (bytes or "16GiB"), `budget` ("30s" or episodes), `seed` and `fallback` (ops without a rule run
-    replicated, one warning each) and `cache` (False: search even when the plan cache holds the plan) are
-    `search()`'s; `plan` skips
+    replicated, one warning each), `cache` (False: search even when the plan cache holds the plan) and
+    `assume_compiling` (the library's compiled path at capture) are `search()`'s; `plan` skips
     the search (a `ShardingPlan` or the path of a saved one). The returned model is the same object, moved
     to the XLA device, with the plan as `model.partir_plan`; `partir_torch.unshard(model)` undoes it.
     """
@@ -87,7 +89,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
         print(note, file=sys.stderr)
     the_plan, m = plan_for(model, example_inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
                            hardware=hardware, memory=memory, budget=budget, seed=seed, plan=plan, progress=progress,
-                           fallback=fallback, cache=cache)
+                           fallback=fallback, cache=cache, assume_compiling=assume_compiling)
     opt = xla.apply(model, optimizer, the_plan, xla.device_mesh(m, the_plan.dcn_axes), loss_fn=loss_fn)
     log.info("partir_torch: sharded %s over %s\n%s", type(model).__name__, m, the_plan.table())
     return model, opt

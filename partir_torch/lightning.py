@@ -102,20 +102,21 @@ class _Silenced:
 class AutoShardStrategy(SingleDeviceStrategy):
     """Search a sharding plan for the `LightningModule`'s training step on `mesh` and train with it.
 
-    `mesh`, `hardware`, `schedule`, `memory`, `budget`, `seed`, `plan` and `fallback` are `auto_shard`'s. After `fit`,
+    `mesh`, `hardware`, `schedule`, `memory`, `budget`, `seed`, `plan`, `fallback` and `assume_compiling` are
+    `auto_shard`'s. After `fit`,
     `strategy.plan` is the applied `ShardingPlan`."""
 
     strategy_name = "partir_auto_shard"
 
     def __init__(self, mesh, *, hardware: str | None = None, schedule: str | None = None,
                  memory: float | str | None = None, budget: str | int | None = None, seed: int = 0,
-                 plan=None, fallback: bool = False) -> None:
+                 plan=None, fallback: bool = False, assume_compiling: bool = False) -> None:
         from partir_torch.ir.mesh import parse_mesh
 
         self.mesh, _ = parse_mesh(mesh)  # a bad mesh is reported when the Trainer is built
         self._mesh_arg = mesh
         self.options = {"hardware": hardware, "schedule": schedule, "memory": memory, "budget": budget, "seed": seed,
-                        "fallback": fallback}
+                        "fallback": fallback, "assume_compiling": assume_compiling}
         self.plan = plan
         self._sharded = False
         super().__init__(device=torch.device("xla", 0), accelerator=SpmdXlaAccelerator())

@@ -191,8 +191,9 @@ def sharding_of(t: torch.Tensor) -> str:
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
-# -- lowerings that keep shardings ---------------------------------------------------------------------------
-def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+# -- lowerings that keep shardings (named as the torch functions they stand for: called by keyword too) ----
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):  # (F.layer_norm's names)
+    x = input
     dims = tuple(range(-len(normalized_shape), 0))
     mu = x.mean(dims, keepdim=True)
     xc = x - mu
@@ -204,7 +205,8 @@ def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     return y
 
 
-def _group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
+def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):  # (F.group_norm's names)
+    x = input
     n, c = x.shape[:2]
     xg = x.reshape(n, num_groups, -1)
     mu = xg.mean(-1, keepdim=True)
@@ -218,7 +220,9 @@ def _group_norm(x, num_groups, weight=None, bias=None, eps=1e-5):
     return y
 
 
-def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):  # F.scaled_dot_product_attention's names: callers pass them by keyword
+    q, k, v = query, key, value
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)

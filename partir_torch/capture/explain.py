@@ -113,8 +113,8 @@ def _compile_hint(frame: traceback.FrameSummary | None) -> str:
         return _training_hint(frame)
     hf = (" For HF transformers models, attn_implementation=\"eager\" in the config also avoids the SDPA mask "
           "check." if "transformers" in frame.filename else "")
-    return (" This library skips the check when it is compiled: capture(..., assume_compiling=True) (CLI "
-            f"--assume-compiling) takes that path.{hf}")
+    return (" This library skips the check when it is compiled: assume_compiling=True (of capture, search, "
+            f"auto_shard and AutoShardStrategy; CLI --assume-compiling) takes that path.{hf}")
 
 
 _SHAPE_WORDS = ("shape", "size", "dimension", "mat1 and mat2", "expected input", "must match", "broadcast")

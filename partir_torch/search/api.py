@@ -190,7 +190,7 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
            budget: str | int | Budget | None = None, goal: str = "time", algorithm: str = "mcts",
            fold: bool = True, progress: bool = False, require_fit: bool = True, prune: bool = True,
            goals: bool = True, fallback: bool = False, mode: str | None = None, cache: bool = True,
-           devices: int | None = None):
+           devices: int | None = None, assume_compiling: bool = False):
     """Find a sharding plan for one training step of `model` on `mesh` (`{"batch": 2, "model": 4}`,
     `"batch=2,model=4"` or a `Mesh`) and return it as a `ShardingPlan` (specs, cost report, statistics).
 
@@ -203,7 +203,8 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     replicated, with one warning per op naming it, its module and the communication it adds.
     `mode="inference"` plans the forward pass only (`loss_fn` unused); without it a missing `loss_fn` is an error.
     `cache=False` searches even when the plan cache (`partir_torch/cache.py`) holds a plan for this program and
-    setting. `devices`: the device count the mesh must have (checked before the capture).
+    setting. `devices`: the device count the mesh must have (checked before the capture). `assume_compiling`
+    is `capture`'s: libraries take their compiled path (which skips value checks such as HF's all-ones mask).
     """
     from partir_torch.capture import capture
     from partir_torch.ir.mesh import check_devices, parse_mesh
@@ -216,7 +217,8 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     config = SearchConfig(hw, frozenset(dcn_axes), memory, seed, Budget.parse(budget), algorithm, progress,
                           prune=prune, goals=goals)
     fallback = fallback or wants_fallback(schedule)
-    program = capture(model, example_inputs, loss_fn, optimizer, fold=fold, mode=mode, fallback=fallback)
+    program = capture(model, example_inputs, loss_fn, optimizer, fold=fold, mode=mode, fallback=fallback,
+                      assume_compiling=assume_compiling)
     text = schedule if isinstance(schedule, str) else ";".join(t.text() for t in tactics)
     plan, _ = plan_program(program, mesh, tactics, config, schedule=text, fallback=fallback, cache=cache,
                            options={"fold": fold, "mode": mode})

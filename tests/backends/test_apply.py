@@ -297,6 +297,40 @@ def test_the_norm_lowerings_compute_what_torch_does(shape, groups):
     torch.testing.assert_close(_layer_norm(x, (shape[-1],), lw, lb), F.layer_norm(x, (shape[-1],), lw, lb))
 
 
+@pytest.mark.parametrize("name", ["layer_norm", "group_norm", "scaled_dot_product_attention"])
+def test_the_lowerings_take_the_torch_functions_arguments_by_position_and_by_keyword(name):
+    """A lowering is called in place of the torch function with the caller's own arguments: HF ALBERT calls
+    `F.scaled_dot_product_attention(query=..., key=..., value=...)`, which failed with another parameter name."""
+    import inspect
+
+    from partir_torch.backends.xla import Lowerings
+
+    torch.manual_seed(0)
+    func = getattr(F, name)
+    low = Lowerings().table[func]
+    ours = list(inspect.signature(low).parameters)
+    try:
+        theirs = list(inspect.signature(func).parameters)
+    except ValueError:  # a builtin: its documented signature
+        theirs = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"]
+    assert ours == theirs[:len(ours)], (ours, theirs)
+    x = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    w, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    cases = {
+        "layer_norm": [dict(input=x, normalized_shape=(8,), weight=w, bias=b, eps=1e-5)],
+        "group_norm": [dict(input=x, num_groups=2, weight=w[:4], bias=b[:4])],
+        "scaled_dot_product_attention": [
+            dict(query=x, key=x.flip(-2), value=x * 2, is_causal=True, scale=0.3),
+            dict(query=x, key=x, value=x, attn_mask=torch.rand(6, 6) > 0.3),
+            dict(query=x, key=x[:, :2], value=x[:, :2], attn_mask=torch.randn(6, 6, dtype=torch.float64),
+                 enable_gqa=True)],
+    }
+    for kw in cases[name]:
+        torch.testing.assert_close(low(**kw), func(**kw))
+        first = next(iter(kw))
+        torch.testing.assert_close(low(kw[first], **{k: v for k, v in kw.items() if k != first}), func(**kw))
+
+
 class Dropper(nn.Module):
     """Not a zoo model: a linear layer whose output goes through dropout, so the output shows the mask."""
 

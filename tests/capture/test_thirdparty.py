@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import partir_torch
 from partir_torch import capture
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install -e '.[thirdparty]')")
@@ -103,6 +104,10 @@ def test_library_checks_name_the_supported_way_through():
         capture(bert, (ids, mask, ids), _mlm_loss, "adamw")
     p = capture(bert, (ids, mask, ids), _mlm_loss, "adamw", assume_compiling=True)
     assert "aten._safe_softmax.default" in p.op_counts()  # SDPA with the mask, in its math form
+    with pytest.raises(CaptureError, match=r"assume_compiling=True \(of capture, search, auto_shard"):
+        partir_torch.search(bert, (ids, mask, ids), "batch=2", loss_fn=_mlm_loss, budget=2)
+    plan = partir_torch.search(bert, (ids, mask, ids), "batch=2", loss_fn=_mlm_loss, budget=2, assume_compiling=True)
+    assert plan.inputs  # the front door takes the way the error names (auto_shard and Lightning pass it on)
 
     bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
         encoder_layers=1, decoder_layers=1, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
