@@ -204,6 +204,43 @@ def test_an_operand_the_plan_reshards_in_a_model_s_own_forward_is_named_by_its_c
     assert ShardingPlan.from_json(json.loads(json.dumps(plan.to_json()))).calls == plan.calls
 
 
+class _Proj(torch.nn.Module):
+    """A projection whose contraction is tiled: its result is a sum pending over that axis."""
+
+    def __init__(self, conv: bool) -> None:
+        super().__init__()
+        self.conv = conv
+        self.proj = torch.nn.Conv1d(8, 12, 1) if conv else torch.nn.Linear(8, 12)
+
+    def forward(self, x):
+        y = self.proj(x.transpose(1, 2)).transpose(1, 2) if self.conv else self.proj(x)
+        return torch.relu(y)
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_a_dot_s_sum_the_plan_reduce_scatters_is_reduced_in_place_first(conv):
+    """`plan.calls` out of a sum its readers reduce-scatter (batch-tiled targets pull the relu batch-tiled):
+    a dot's names the sum reduced in place (the contraction's axis off its dims) and the gradient the call's
+    backward reads (gathered: the weight gradient reads its tiles), for the engine to all-reduce and slice
+    where GSPMD would split the dot over the idle axis and permute; a convolution's is left as it is."""
+    from partir_torch.ir import Tile
+    from partir_torch.propagate import ShardingState
+
+    x, y = torch.randn(8, 4, 8), torch.randn(8, 4, 12)
+    p = capture(_Proj(conv), (x, y), lambda m, a, b: torch.nn.functional.mse_loss(m(a), b), "sgd")
+    state = ShardingState(p, Mesh.parse("batch=2,model=4"))
+    for a in (Tile("proj.weight", 1, "batch"), Tile("inputs[0]", 2, "batch"), Tile("inputs[1]", 0, "batch")):
+        state.apply(a)
+    plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="manual")
+    outs = [c["out"] for cs in plan.calls.values() for c in cs.values() if c["out"] is not None]
+    if conv:  # (the sum leaves the module pending: the transpose after it makes the batch-tiled result)
+        assert ["batch", None, None] in [o[1] for o in outs] and {len(o) for o in outs} == {2}, outs
+    else:
+        assert plan.calls["proj"]["0"]["out"] == [[8, 4, 12], ["batch", None, None], [None, None, None],
+                                                  [None, None, None]]
+    assert ShardingPlan.from_json(json.loads(json.dumps(plan.to_json()))).calls == plan.calls
+
+
 def test_the_model_s_output_is_constrained_as_the_loss_reads_it():
     """`plan.output`: a head tiled on vocab makes vocab-tiled logits, and the loss's softmax reads them
     gathered (the plan's all-gather); the plan says so, with the gradient the softmax's backward sends back

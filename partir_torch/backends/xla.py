@@ -25,7 +25,8 @@ What `shard_module` does to the user's model, all of it undone by `unshard(model
    `forward`, an MoE's dispatch einsums), the same `TorchFunctionMode` numbers the calls that make tensors
    per module as the capture numbered them (`capture.attribution.CallTracker`) and applies `plan.calls`: an
    operand the plan reshards before a call is constrained (with its gradient) as the call reads it, and the
-   call's result as the plan has it (`CallConstraints`). Views and in-place results are left as they are
+   call's result as the plan has it (`CallConstraints`; a dot's sum the plan reduce-scatters first reduced
+   in place, so that GSPMD does not split the dot over an idle axis). Views and in-place results are left as they are
    (a constrained copy would not alias), and a module whose calls stop matching the capture's (a result
    of another shape: its forward took another path on the device) is left to GSPMD, with one warning.
 7. the model's output, when the loss function reshards it (a vocab-tiled head's logits gathered for the
@@ -325,7 +326,7 @@ class CallConstraints:
         self.counts[path] = k + 1
         if c is None or c["out"] is None or not isinstance(out, torch.Tensor):
             return out
-        shape, spec = c["out"]
+        shape, spec, *summed = c["out"]
         if list(out.shape) != shape:
             self.lost.add(path)
             log.warning("module %r: call %d of its forward makes %s where the capture had %s; its remaining "
@@ -336,6 +337,10 @@ class CallConstraints:
             return out  # aliasing kept: a constrained copy would not see later in-place writes
         if out.device.type != "xla" or out.dim() == 0:
             return out  # a host constant the model makes (`torch.tensor(d ** 0.5)`), or a scalar
+        if summed:  # a sum the plan reduce-scatters: all-reduced in place, then sliced (`reads.call_constraints`)
+            reduced, grad = summed
+            out = constrain(out, self.mesh, _spec(reduced, len(reduced)),
+                            _spec(grad, len(grad)) if grad is not None else None)
         return constrain(out, self.mesh, _spec(spec, len(spec)), _spec(spec, len(spec)))
 
     def _inputs(self, ins: list, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:

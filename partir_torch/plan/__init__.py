@@ -54,14 +54,24 @@ def _output_json(state: ShardingState) -> list | None:
     return [list(state.program.values[v].shape), need.to_spec(), grad.to_spec() if grad is not None else None]
 
 
+def _out_json(out) -> list | None:
+    if out is None:
+        return None
+    shape, sh, summed = out
+    if summed is None:
+        return [list(shape), sh.to_spec()]
+    return [list(shape), sh.to_spec(), summed[0].to_spec(), summed[1].to_spec() if summed[1] is not None else None]
+
+
 def _calls_json(state: ShardingState) -> dict[str, dict[str, dict]]:
     """`reads.call_constraints` as JSON: {path: {call: {"ins": [[shape, nth, spec, grad spec or None]], "out":
-    [shape, spec] or None}}}, a folded program's element 1 standing for elements 1..N-1."""
+    [shape, spec] or [shape, spec, reduced spec, its gradient's spec or None] or None}}}, a folded program's
+    element 1 standing for elements 1..N-1."""
     out: dict[str, dict[str, dict]] = {}
     for (path, k), c in sorted(call_constraints(state).items()):
         entry = {"ins": [[list(shape), nth, need.to_spec(), grad.to_spec() if grad is not None else None]
                          for shape, nth, need, grad in c["ins"]],
-                 "out": [list(c["out"][0]), c["out"][1].to_spec()] if c["out"] is not None else None}
+                 "out": _out_json(c["out"])}
         names = [k2.removesuffix(".") for k2 in full_names(path + ".", state.program.fold)] if path else [""]
         for name in names:
             out.setdefault(name, {})[str(k)] = entry

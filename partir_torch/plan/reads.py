@@ -171,12 +171,21 @@ def _calls(program) -> dict[tuple[str, int], list[int]]:
 
 def call_constraints(state: ShardingState) -> dict[tuple[str, int], dict]:
     """{(module path, call number): {"ins": [(shape, nth, sharding, gradient's sharding or None)], "out":
-    (shape, sharding) or None}} for the torch-function calls inside modules' forwards where the plan reshards an
-    activation operand before the call's ops read it (`ins`: the operand is the `nth` tensor of its shape among
-    the call's tensor arguments, as the engine meets them) and the sharding of the one activation the call makes
-    for the ops after it (`out`; a pending sum as its readers reduce it). A backend constrains them at the call,
-    so the engine reshards where the cost model does, inside a module as at its boundary (`module_inputs`,
-    `output_shardings`): a `torch.cat` in a model's own forward whose operand the plan re-tiles, say."""
+    (shape, sharding, summed) or None}} for the torch-function calls inside modules' forwards where the plan
+    reshards an activation operand before the call's ops read it (`ins`: the operand is the `nth` tensor of its
+    shape among the call's tensor arguments, as the engine meets them) and the sharding of the one activation
+    the call makes for the ops after it (`out`; a pending sum as its readers reduce it). A backend constrains
+    them at the call, so the engine reshards where the cost model does, inside a module as at its boundary
+    (`module_inputs`, `output_shardings`): a `torch.cat` in a model's own forward whose operand the plan
+    re-tiles, say.
+
+    `summed` is None, or, for a pending sum its readers reduce-scatter, (the sum reduced in place: its summed
+    axes off its dims, the sharding of the gradient the call's backward reads, or None): constrained to that
+    first, the engine all-reduces and then slices, an XLA reduce-scatter in the CPU's form. Left to itself,
+    GSPMD's dot partitioner splits the dot over an idle axis instead (a QKV projection's rows), all-reduces a
+    part and moves it to its devices with a collective-permute, and gathers its gradient the same way. Sums
+    made by other ops (convolutions) it reduce-scatters as the plan does, and reduced in place first it
+    partitions them otherwise (docs/apply.md), so they are left as they are."""
     from partir_torch.ir.program import Phase, Role
 
     program = state.program
@@ -209,10 +218,15 @@ def call_constraints(state: ShardingState) -> dict[tuple[str, int], dict]:
         if len(escaping) == 1:
             v = escaping[0]
             sh = state.shard[v]
+            pending = sh.partial
             if sh.partial:
                 sh = _read_as(state, v, set(users[v]))
             if sh is not None and not sh.chunks:
-                res = (values[v].shape, sh)
+                summed = None
+                if pending & sh.axes and _summed_by(state, v) in _DOTS:  # reduce-scattered: reduced in place first
+                    reduced = Sharding(tuple(tuple(a for a in d if a not in pending) for d in sh.dims))
+                    summed = (reduced, _grad_received(state, v, backward.get(key, set())))
+                res = (values[v].shape, sh, summed)
         if ins or res is not None:
             out[key] = {"ins": ins, "out": res}
     return out
@@ -272,6 +286,42 @@ def _grad_sent(state: ShardingState, v: int, mine: set[int]) -> Sharding | None:
     return None
 
 
+_DOTS = {"mm", "addmm", "bmm", "baddbmm"}  # rules of the ops GSPMD's dot partitioner takes
+
+
+def _summed_by(state: ShardingState, v: int) -> str | None:
+    """The rule of the op that makes the pending sum `v`, through the data movement after it."""
+    from partir_torch.propagate import MOVES
+
+    program = state.program
+    while True:
+        o = program.values[v].producer
+        if o is None or o < 0:
+            return None
+        rule = state.rules[o]
+        if rule.name in MOVES and len(rule.operands) == 1 and state.shard[rule.operands[0].value].partial:
+            v = rule.operands[0].value
+            continue
+        return rule.name
+
+
+def _grad_received(state: ShardingState, v: int, mine: set[int]) -> Sharding | None:
+    """The sharding the backward ops `mine` (a call's) read the gradient of its result `v` in: the one value
+    of v's shape made outside them that they read, the coarsest of their reads when the others are local
+    slices of it (a weight gradient reads the tiles of what the input gradient reads gathered); None when it
+    is not one value or the reads disagree otherwise."""
+    from partir_torch.ir.program import Role
+
+    program = state.program
+    shape = program.values[v].shape
+    got = {w for o in mine for w in program.ops[o].inputs if w >= 0 and program.values[w].shape == shape
+           and program.values[w].role is Role.ACTIVATION and program.values[w].producer not in mine}
+    if len(got) != 1:
+        return None
+    need = _read(state, got.pop(), mine, coarsest=True)
+    return None if need is None or need.partial or need.chunks else need
+
+
 def _read_as(state: ShardingState, v: int, inside: set[int]) -> Sharding | None:
     """The one sharding the ops of `inside` read `v` in, following same-size single-operand ops (views,
     casts) to where their results are resharded, back through them; None when the uses disagree, a way
@@ -280,7 +330,7 @@ def _read_as(state: ShardingState, v: int, inside: set[int]) -> Sharding | None:
     return None if need is None or need.partial or need.chunks else need
 
 
-def _read(state: ShardingState, cur: int, inside: set[int]) -> Sharding | None:
+def _read(state: ShardingState, cur: int, inside: set[int], coarsest: bool = False) -> Sharding | None:
     from partir_torch.lower import op_reshards
 
     program = state.program
@@ -303,16 +353,26 @@ def _read(state: ShardingState, cur: int, inside: set[int]) -> Sharding | None:
         made = [dst for w, _, dst in op_reshards(state, u) if w == res]
         if made:  # the view resharded where it is made (`lower.relayout_root`: one collective for its readers)
             got = made[0]
-            if any(u2 in inside and any(w == res and dst != got for w, _, dst in op_reshards(state, u2))
+            if any(u2 in inside and any(w == res and dst != got and not (coarsest and _slices(got, dst))
+                                        for w, _, dst in op_reshards(state, u2))
                    for u2 in program.users[res]):
                 return None  # ... and re-sliced to another sharding by the module
         else:
-            got = _read(state, res, inside)
+            got = _read(state, res, inside, coarsest)
         back = None if got is None else _pull_back(rule, got)
         if back is None:
             return None
         reads.add(back)
+    if coarsest:  # (the one read all the others are local slices of)
+        reads = {r for r in reads if all(_slices(r, s) for s in reads)}
     return reads.pop() if len(reads) == 1 else None
+
+
+def _slices(src: Sharding, dst: Sharding) -> bool:
+    """Whether `dst` is a local slice of `src`: each dim keeps its axes and may add minor ones, nothing summed
+    or chunked (an engine holding `src` makes `dst` with no collective)."""
+    return (not src.partial and not dst.partial and not src.chunks and not dst.chunks
+            and all(b[:len(a)] == a for a, b in zip(src.dims, dst.dims)))
 
 
 def _pull_back(rule, need: Sharding) -> Sharding | None:

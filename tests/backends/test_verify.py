@@ -156,10 +156,6 @@ def test_the_model_s_output_is_resharded_where_the_plan_reads_it_for_the_loss():
 
 
 _DEVIATES = {  # what XLA CPU does on these searched plans that the model does not have yet (docs/apply.md)
-    "tiny-gpt2": "XLA runs two of the plan's reduce-scatters over batch (the QKV gradients, 48 KiB in XLA CPU's "
-                 "all-reduce form) as an all-reduce of half of each and a collective-permute, and gathers the "
-                 "QKV gradients over the idle model axis after a collective-permute (72 KiB of permutes in "
-                 "all): all-gather 1.00, all-reduce 0.86 of the plan's",
     "tiny-gns": "XLA gathers 22.2 of the 33.1 KiB of MLP weights and activations the plan gathers over model "
                 "(all-gather 0.71; all-reduce 1.02 and memory 1.23 are within the bar)",
     "tiny-moe": "the experts' _unsafe_views merge the expert dim, tiled as the minor dim, into the bmm's "
