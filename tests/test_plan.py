@@ -217,23 +217,24 @@ class _Proj(torch.nn.Module):
         return torch.relu(y)
 
 
-@pytest.mark.parametrize("conv", [False, True])
-def test_a_dot_s_sum_the_plan_reduce_scatters_is_reduced_in_place_first(conv):
+@pytest.mark.parametrize("conv,mesh", [(False, "batch=2,model=4"), (True, "batch=2,model=4"), (False, "batch=2")])
+def test_a_dot_s_sum_the_plan_reduce_scatters_is_reduced_in_place_first(conv, mesh):
     """`plan.calls` out of a sum its readers reduce-scatter (batch-tiled targets pull the relu batch-tiled):
-    a dot's names the sum reduced in place (the contraction's axis off its dims) and the gradient the call's
-    backward reads (gathered: the weight gradient reads its tiles), for the engine to all-reduce and slice
-    where GSPMD would split the dot over the idle axis and permute; a convolution's is left as it is."""
+    a dot's, with `model` idle on it, names the sum reduced in place (the contraction's axis off its dims)
+    and the gradient the call's backward reads (gathered: the weight gradient reads its tiles), for the
+    engine to all-reduce and slice where GSPMD would split the dot over the idle axis and permute; a
+    convolution's, or a dot's with no idle axis, is left as it is."""
     from partir_torch.ir import Tile
     from partir_torch.propagate import ShardingState
 
     x, y = torch.randn(8, 4, 8), torch.randn(8, 4, 12)
     p = capture(_Proj(conv), (x, y), lambda m, a, b: torch.nn.functional.mse_loss(m(a), b), "sgd")
-    state = ShardingState(p, Mesh.parse("batch=2,model=4"))
+    state = ShardingState(p, Mesh.parse(mesh))
     for a in (Tile("proj.weight", 1, "batch"), Tile("inputs[0]", 2, "batch"), Tile("inputs[1]", 0, "batch")):
         state.apply(a)
     plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="manual")
     outs = [c["out"] for cs in plan.calls.values() for c in cs.values() if c["out"] is not None]
-    if conv:  # (the sum leaves the module pending: the transpose after it makes the batch-tiled result)
+    if conv or mesh == "batch=2":  # (a convolution's sum leaves its module pending: the transpose tiles it)
         assert ["batch", None, None] in [o[1] for o in outs] and {len(o) for o in outs} == {2}, outs
     else:
         assert plan.calls["proj"]["0"]["out"] == [[8, 4, 12], ["batch", None, None], [None, None, None],

@@ -179,13 +179,14 @@ def call_constraints(state: ShardingState) -> dict[tuple[str, int], dict]:
     (`module_inputs`, `output_shardings`): a `torch.cat` in a model's own forward whose operand the plan
     re-tiles, say.
 
-    `summed` is None, or, for a pending sum its readers reduce-scatter, (the sum reduced in place: its summed
-    axes off its dims, the sharding of the gradient the call's backward reads, or None): constrained to that
-    first, the engine all-reduces and then slices, an XLA reduce-scatter in the CPU's form. Left to itself,
-    GSPMD's dot partitioner splits the dot over an idle axis instead (a QKV projection's rows), all-reduces a
-    part and moves it to its devices with a collective-permute, and gathers its gradient the same way. Sums
-    made by other ops (convolutions) it reduce-scatters as the plan does, and reduced in place first it
-    partitions them otherwise (docs/apply.md), so they are left as they are."""
+    `summed` is None, or, for a dot's pending sum its readers reduce-scatter while a mesh axis is idle on it
+    (neither tiles nor sums it), (the sum reduced in place: its summed axes off its dims, the sharding of
+    the gradient the call's backward reads, or None): constrained to that first, the engine all-reduces and
+    then slices, an XLA reduce-scatter in the CPU's form. Left to itself, GSPMD's dot partitioner splits the
+    dot over the idle axis instead (a QKV projection's rows), all-reduces a part and moves it to its devices
+    with a collective-permute, and gathers its gradient the same way. Other sums (a convolution's, a dot's
+    with no idle axis) it reduce-scatters as the plan does, and reduced in place first it partitions them
+    otherwise (docs/apply.md), so they are left as they are."""
     from partir_torch.ir.program import Phase, Role
 
     program = state.program
@@ -223,7 +224,8 @@ def call_constraints(state: ShardingState) -> dict[tuple[str, int], dict]:
                 sh = _read_as(state, v, set(users[v]))
             if sh is not None and not sh.chunks:
                 summed = None
-                if pending & sh.axes and _summed_by(state, v) in _DOTS:  # reduce-scattered: reduced in place first
+                idle = set(state.mesh.names) - sh.axes - pending
+                if pending & sh.axes and idle and _summed_by(state, v) in _DOTS:  # reduced in place first
                     reduced = Sharding(tuple(tuple(a for a in d if a not in pending) for d in sh.dims))
                     summed = (reduced, _grad_received(state, v, backward.get(key, set())))
                 res = (values[v].shape, sh, summed)
