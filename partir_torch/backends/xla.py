@@ -32,6 +32,9 @@ What `shard_module` does to the user's model, all of it undone by `unshard(model
 7. the model's output, when the loss function reshards it (a vocab-tiled head's logits gathered for the
    softmax; `plan.output`), is constrained to the sharding the loss reads it in, with the gradient the
    loss's backward sends back: the loss runs outside the model, where no hook reaches.
+8. a plan whose program was captured with `assume_compiling=True` (`plan.compiling`) has the model's forward
+   run with `torch.compiler.is_compiling()` true too, so the library takes the path that was captured (HF's
+   mask helpers keep an all-ones mask that their eager path drops) and the calls match the capture's.
 The caller's original tensors are kept (not modified) for `unshard`, which copies the trained values back
 into them. The optimizer is rebuilt on the moved parameters (`shard_optimizer`): same class, param groups
 and hyperparameters, with `foreach=False` and `capturable=True` (implementation options: one graph per
@@ -240,8 +243,12 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return torch.einsum("...qk,...kd->...qd", probs, v)
 
 
+def _compiling_true() -> bool:
+    return True
+
+
 class Lowerings(TorchFunctionMode):
-    """Active while the sharded model's forward runs (module docstring, items 4 and 6)."""
+    """Active while the sharded model's forward runs (module docstring, items 4, 6 and 8)."""
 
     def __init__(self, layer_norm: bool = True, attention: bool = True) -> None:
         super().__init__()
@@ -252,6 +259,8 @@ class Lowerings(TorchFunctionMode):
         if attention:
             self.table[F.scaled_dot_product_attention] = _attention
         self.calls: CallConstraints | None = None
+        self.compiling = False  # run the forward with torch.compiler.is_compiling() true (`plan.compiling`)
+        self._is_compiling: Callable[[], bool] | None = None
         self.depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -262,12 +271,14 @@ class Lowerings(TorchFunctionMode):
 
     @property
     def active(self) -> bool:
-        return bool(self.table) or self.calls is not None
+        return bool(self.table) or self.calls is not None or self.compiling
 
     def enter(self, *_: Any) -> None:
         if self.active and self.depth == 0:
             if self.calls is not None:
                 self.calls.counts.clear()
+            if self.compiling:  # (as `capture(assume_compiling=True)` traced it)
+                self._is_compiling, torch.compiler.is_compiling = torch.compiler.is_compiling, _compiling_true
             self.__enter__()
         self.depth += 1
 
@@ -277,6 +288,8 @@ class Lowerings(TorchFunctionMode):
         self.depth -= 1
         if self.active and self.depth == 0:
             self.__exit__(None, None, None)
+            if self._is_compiling is not None:
+                torch.compiler.is_compiling, self._is_compiling = self._is_compiling, None
 
 
 _MUTATING = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"}
@@ -603,6 +616,8 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
         if p is not None and p.requires_grad and spec is not None:  # replicated ones too (as parameters)
             rec.handles.append(p.register_hook(grad_to(_spec(spec, p.dim()))))
     rec.handles.append(model.register_forward_pre_hook(_batch_hook(rec), with_kwargs=True))
+    if rec.lowerings is not None:
+        rec.lowerings.compiling = plan.compiling
     if rec.lowerings is not None and plan.calls:
         calls = rec.lowerings.calls = CallConstraints(model, mesh, plan.calls)
         for m in {id(m): m for m in model.modules()}.values():  # first in, last out: around the user's hooks

@@ -75,8 +75,10 @@ def capture(
     """
     if assume_compiling:
         with _compiling():
-            return capture(model, example_inputs, loss_fn, optimizer, mode=mode, fold=fold, fallback=fallback,
-                           sources=sources, _strict=_strict)
+            program = capture(model, example_inputs, loss_fn, optimizer, mode=mode, fold=fold, fallback=fallback,
+                              sources=sources, _strict=_strict)
+        program.compiling = True  # (a backend runs the forward so too: the same path as captured)
+        return program
     if fold:
         program = _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback, sources)
         if program is not None:

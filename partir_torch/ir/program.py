@@ -136,6 +136,7 @@ class Program:
     input_args: list[int | str | None] = field(default_factory=list)  # forward arg of each input (None: not one)
     n_graph_outputs: int = 0  # outputs beyond these are functionalized buffer mutations
     capture_time_s: float = 0.0
+    compiling: bool = False  # traced with torch.compiler.is_compiling() true (capture's assume_compiling)
     fold: dict[str, int] = field(default_factory=dict)  # folded container path -> its full length (capture/fold.py)
     graph_module: Any = field(default=None, repr=False)
     _users: list[tuple[int, ...]] | None = field(default=None, repr=False)

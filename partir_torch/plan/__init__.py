@@ -165,6 +165,9 @@ class ShardingPlan:
     # dims that keep a mesh axis from being used (`search.blocked`): {"axis", "what", "size", "divisor", "text"}
     blocked: list[dict[str, Any]] = field(default_factory=list)
     cache: dict[str, Any] | None = None  # set when the plan came from the plan cache: {"level", "key", "file"}
+    # the program was captured with torch.compiler.is_compiling() true (`capture(assume_compiling=True)`): a
+    # backend runs the model's forward so too, on the path the library takes when compiled, as captured
+    compiling: bool = False
 
     @classmethod
     def from_state(cls, state: ShardingState, cost, *, schedule: str | None = None, hardware: str | None = None,
@@ -183,7 +186,7 @@ class ShardingPlan:
                    activations=sp.activations, grads=sp.grads, module_inputs=sp.module_inputs,
                    param_reads=sp.param_reads, calls=sp.calls, output=sp.output, shapes=shapes,
                    input_args=list(p.input_args),
-                   optimizer=p.optimizer, program_hash=p.content_hash())
+                   optimizer=p.optimizer, program_hash=p.content_hash(), compiling=p.compiling)
 
     @property
     def specs(self) -> PlanSpecs:
@@ -199,6 +202,8 @@ class ShardingPlan:
                "module_inputs": self.module_inputs, "param_reads": self.param_reads, "calls": self.calls,
                "output": self.output, "shapes": self.shapes,
                "cost": self.cost, "conflicts": self.conflicts, "blocked": self.blocked}
+        if self.compiling:
+            out["compiling"] = True
         if self.search is not None:
             out["search"] = self.search
         if self.cache is not None:
@@ -217,7 +222,8 @@ class ShardingPlan:
                    d.get("module_inputs", {}), d.get("param_reads", {}), d.get("calls", {}), d.get("output"),
                    d.get("shapes", {}),
                    d.get("input_args", []),
-                   d.get("optimizer"), d.get("program_hash"), d.get("blocked", []), d.get("cache"))
+                   d.get("optimizer"), d.get("program_hash"), d.get("blocked", []), d.get("cache"),
+                   bool(d.get("compiling", False)))
 
     def save(self, path: str | os.PathLike) -> None:
         """The plan as JSON (`ShardingPlan.load` reads it back)."""

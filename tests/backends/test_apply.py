@@ -429,6 +429,51 @@ def test_calls_counted_on_the_device_match_the_capture_and_a_forward_that_strays
     partir_torch.unshard(net)
 
 
+class Checked(nn.Module):
+    """Not a zoo model: a value check its forward skips when compiled, as HF's all-ones mask helpers do."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and bool((x == x).all()):
+            x = x * 1.0  # the eager path: one call more
+        return torch.cat([self.a(x), self.b(x)], -1).relu()
+
+
+def test_a_plan_captured_as_compiled_runs_its_forward_as_compiled(caplog):
+    """`assume_compiling=True` captures the path a library takes when compiled; the plan says so
+    (`plan.compiling`), and the engine runs the forward on that path too: every call met as numbered (on the
+    eager path the calls shift and the root's constraints are lost), training equal to unsharded eager, and
+    `torch.compiler.is_compiling()` false again after the forward."""
+    import torch_xla
+
+    from partir_torch.backends.xla import sharded
+    from partir_torch.plan import ShardingPlan
+
+    torch.manual_seed(0)
+    net, x = Checked(), torch.randn(8, 16)
+
+    def loss(m, x):
+        return m(x).square().mean()
+
+    plan = search(net, (x,), MESH, loss_fn=loss, optimizer="sgd", schedule="batch:BatchParallel;model:Megatron",
+                  assume_compiling=True)
+    assert plan.compiling and "" in plan.calls and ShardingPlan.from_json(plan.to_json()).compiling
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = partir_torch.auto_shard(net, (x,), MESH, loss_fn=loss, optimizer=opt, plan=plan)
+    with caplog.at_level(logging.WARNING):
+        losses = _train(net, opt, loss, (x,), 2, shard=True)
+    assert sharded(net).lowerings.calls.lost == set() and "makes" not in caplog.text
+    assert not torch.compiler.is_compiling()
+    assert losses == pytest.approx(_train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), loss, (x,), 2, shard=False),
+                                   rel=1e-5)
+    torch_xla.sync()
+    partir_torch.unshard(net)
+
+
 @pytest.mark.parametrize("name", ["tv-swin", "tv-convnext"])
 def test_users_models_keep_every_call_constraint_on_the_device(name, caplog):
     """torchvision's Swin (a shifted-window mask built by item assignment inside its attention function) and
