@@ -199,7 +199,7 @@ def test_an_operand_the_plan_reshards_in_a_model_s_own_forward_is_named_by_its_c
     plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="manual")
     batch_tiled = ["model", None, None, None]
     assert plan.calls[""]["0"] == {"ins": [[[8, 4, 4, 4], 0, batch_tiled, batch_tiled]],
-                                   "out": [[8, 12, 4, 4], batch_tiled]}
+                                   "out": [[8, 12, 4, 4], batch_tiled], "fn": "cat"}
     assert plan.calls["b"]["0"]["out"] == [[8, 4, 4, 4], [None, "model", None, None]]  # made channel-tiled
     assert ShardingPlan.from_json(json.loads(json.dumps(plan.to_json()))).calls == plan.calls
 

@@ -27,8 +27,9 @@ What `shard_module` does to the user's model, all of it undone by `unshard(model
    operand the plan reshards before a call is constrained (with its gradient) as the call reads it, and the
    call's result as the plan has it (`CallConstraints`; a dot's sum the plan reduce-scatters first reduced
    in place, so that GSPMD does not split the dot over an idle axis). Views and in-place results are left as they are
-   (a constrained copy would not alias), and a module whose calls stop matching the capture's (a result
-   of another shape: its forward took another path on the device) is left to GSPMD, with one warning.
+   (a constrained copy would not alias), and a module whose calls stop matching the capture's (another
+   function, or a result of another shape: its forward took another path on the device) is left to GSPMD,
+   with one warning.
 7. the model's output, when the loss function reshards it (a vocab-tiled head's logits gathered for the
    softmax; `plan.output`), is constrained to the sharding the loss reads it in, with the gradient the
    loss's backward sends back: the loss runs outside the model, where no hook reaches.
@@ -62,7 +63,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from partir_torch.capture.attribution import returns_tensor
+from partir_torch.capture.attribution import call_name, returns_tensor
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
 from partir_torch.plan import ShardingPlan, divisibility
@@ -331,20 +332,21 @@ class CallConstraints:
         path = self.stack[-1]
         k = self.counts.get(path, 0)
         c = self.table.get(path, {}).get(k) if path not in self.lost else None
-        if c is not None and c["ins"] and not _mutates(func, kwargs):
+        other = c is not None and c.get("fn") and c["fn"] != call_name(func)  # (or a call that makes no tensor)
+        if c is not None and not other and c["ins"] and not _mutates(func, kwargs):
             args, kwargs = self._inputs(c["ins"], args, kwargs)
         out = impl(*args, **kwargs)
         if not returns_tensor(out):
             return out
         self.counts[path] = k + 1
+        if other:
+            self._stray(path, k, f"is {call_name(func)}() where the capture had {c['fn']}()")
+            return out
         if c is None or c["out"] is None or not isinstance(out, torch.Tensor):
             return out
         shape, spec, *summed = c["out"]
         if list(out.shape) != shape:
-            self.lost.add(path)
-            log.warning("module %r: call %d of its forward makes %s where the capture had %s; its remaining "
-                        "calls are not constrained (the forward takes another path than at capture)", path, k,
-                        list(out.shape), shape)
+            self._stray(path, k, f"makes {list(out.shape)} where the capture had {shape}")
             return out
         if out._is_view() or _mutates(func, kwargs) or any(out is a for a in args):
             return out  # aliasing kept: a constrained copy would not see later in-place writes
@@ -355,6 +357,11 @@ class CallConstraints:
             out = constrain(out, self.mesh, _spec(reduced, len(reduced)),
                             _spec(grad, len(grad)) if grad is not None else None)
         return constrain(out, self.mesh, _spec(spec, len(spec)), _spec(spec, len(spec)))
+
+    def _stray(self, path: str, k: int, what: str) -> None:
+        self.lost.add(path)
+        log.warning("module %r: call %d of its forward %s; its remaining calls are not constrained (the forward "
+                    "takes another path than at capture)", path, k, what)
 
     def _inputs(self, ins: list, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         leaves, tree = pytree.tree_flatten((args, kwargs))

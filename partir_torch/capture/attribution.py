@@ -88,17 +88,26 @@ def returns_tensor(out: Any) -> bool:
     return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
 
 
+def call_name(func: Any) -> str:
+    """How a torch-function call is named in a plan (`F.linear` -> "linear", `Tensor.__mul__` -> "__mul__"): the
+    capture and a backend's mode see the same function objects, so a backend can check it meets the call the
+    plan numbered, not only one of the same result shape."""
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
 class CallStamp:
-    """The number a call's FX nodes carry (`meta["custom"]["call"]`) and the shape of its result (a backend
-    meets that tensor; the graph may hold it as a reshaped value), settled when the call returns: None for a
-    call that made no tensor (an in-place `__setitem__`), whose nodes are no call of their own; node meta
-    is copied shallowly, so every node made during the call shares this object."""
+    """The number a call's FX nodes carry (`meta["custom"]["call"]`), the shape of its result (a backend
+    meets that tensor; the graph may hold it as a reshaped value) and the function's name (`call_name`),
+    settled when the call returns: None for a call that made no tensor (an in-place `__setitem__`), whose
+    nodes are no call of their own; node meta is copied shallowly, so every node made during the call shares
+    this object."""
 
-    __slots__ = ("k", "shape")
+    __slots__ = ("fn", "k", "shape")
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, fn: str) -> None:
         self.k: int | None = k
         self.shape: tuple[int, ...] | None = None  # the call's result, when it is one tensor
+        self.fn = fn
 
     def __repr__(self) -> str:
         return f"call {self.k}"
@@ -127,7 +136,7 @@ class CallTracker(TorchFunctionMode):
         k = self.counts.get(path, 0)
         meta = fx_traceback.current_meta
         before = meta.get("custom")
-        stamp = CallStamp(k)
+        stamp = CallStamp(k, call_name(func))
         meta["custom"] = {**(before or {}), "call": stamp}
         try:
             out = func(*args, **(kwargs or {}))

@@ -83,14 +83,16 @@ def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Prog
             fwd_source_by_seq.setdefault(seq, source)
         elif source is None and seq is not None:
             source = fwd_source_by_seq.get(seq)
-        stamp = custom.get("call")  # a `CallStamp` at capture, an int (and "call_shape") after
+        stamp = custom.get("call")  # a `CallStamp` at capture, an int (and "call_shape", "call_fn") after
         call, call_shape = getattr(stamp, "k", stamp), getattr(stamp, "shape", custom.get("call_shape"))
+        call_fn = getattr(stamp, "fn", custom.get("call_fn"))
         if call is not None and seq is not None:
             fwd_call_by_seq.setdefault(seq, call)
         elif call is None and seq is not None and custom.get("backward"):
             call = fwd_call_by_seq.get(seq)
         # kept on the node, so a re-trace that decomposes it (rules/decompose.py) attributes its parts too
-        node.meta["custom"] = {"module": module, "source": source, "call": call, "call_shape": call_shape}
+        node.meta["custom"] = {"module": module, "source": source, "call": call, "call_shape": call_shape,
+                               "call_fn": call_fn}
         ops.append(
             Op(
                 oid,
@@ -105,6 +107,7 @@ def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Prog
                 source,
                 call,
                 call_shape if call is not None else None,
+                call_fn if call is not None else None,
             )
         )
 
@@ -166,4 +169,4 @@ def assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> Non
         phase = Phase.FORWARD if i in fwd else Phase.BACKWARD if i in bwd else Phase.OPTIMIZER
         if phase is not Phase.FORWARD:
             ops[i] = Op(op.id, op.target, op.inputs, op.outputs, op.args, op.kwargs, phase, op.module, op.overload,
-                        op.source, op.call, op.call_shape)
+                        op.source, op.call, op.call_shape, op.call_fn)

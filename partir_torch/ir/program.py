@@ -88,6 +88,7 @@ class Op:
     source: str | None = field(default=None, compare=False)  # `file.py:123` of the user code that emitted it
     call: int | None = field(default=None, compare=False)  # which torch-function call of its module made it
     call_shape: tuple[int, ...] | None = field(default=None, compare=False)  # that call's result, when one tensor
+    call_fn: str | None = field(default=None, compare=False)  # that call's function (`capture.attribution.call_name`)
 
     def __str__(self) -> str:
         outs = ", ".join(f"%{o}" for o in self.outputs)

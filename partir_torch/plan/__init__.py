@@ -65,13 +65,13 @@ def _out_json(out) -> list | None:
 
 def _calls_json(state: ShardingState) -> dict[str, dict[str, dict]]:
     """`reads.call_constraints` as JSON: {path: {call: {"ins": [[shape, nth, spec, grad spec or None]], "out":
-    [shape, spec] or [shape, spec, reduced spec, its gradient's spec or None] or None}}}, a folded program's
-    element 1 standing for elements 1..N-1."""
+    [shape, spec] or [shape, spec, reduced spec, its gradient's spec or None] or None, "fn": the function's
+    name}}}, a folded program's element 1 standing for elements 1..N-1."""
     out: dict[str, dict[str, dict]] = {}
     for (path, k), c in sorted(call_constraints(state).items()):
         entry = {"ins": [[list(shape), nth, need.to_spec(), grad.to_spec() if grad is not None else None]
                          for shape, nth, need, grad in c["ins"]],
-                 "out": _out_json(c["out"])}
+                 "out": _out_json(c["out"]), "fn": c["fn"]}
         names = [k2.removesuffix(".") for k2 in full_names(path + ".", state.program.fold)] if path else [""]
         for name in names:
             out.setdefault(name, {})[str(k)] = entry

@@ -171,13 +171,13 @@ def _calls(program) -> dict[tuple[str, int], list[int]]:
 
 def call_constraints(state: ShardingState) -> dict[tuple[str, int], dict]:
     """{(module path, call number): {"ins": [(shape, nth, sharding, gradient's sharding or None)], "out":
-    (shape, sharding, summed) or None}} for the torch-function calls inside modules' forwards where the plan
-    reshards an activation operand before the call's ops read it (`ins`: the operand is the `nth` tensor of its
-    shape among the call's tensor arguments, as the engine meets them) and the sharding of the one activation
-    the call makes for the ops after it (`out`; a pending sum as its readers reduce it). A backend constrains
-    them at the call, so the engine reshards where the cost model does, inside a module as at its boundary
-    (`module_inputs`, `output_shardings`): a `torch.cat` in a model's own forward whose operand the plan
-    re-tiles, say.
+    (shape, sharding, summed) or None, "fn": the function's name}} for the torch-function calls inside
+    modules' forwards where the plan reshards an activation operand before the call's ops read it (`ins`: the
+    operand is the `nth` tensor of its shape among the call's tensor arguments, as the engine meets them) and
+    the sharding of the one activation the call makes for the ops after it (`out`; a pending sum as its
+    readers reduce it). A backend constrains them at the call, so the engine reshards where the cost model
+    does, inside a module as at its boundary (`module_inputs`, `output_shardings`): a `torch.cat` in a
+    model's own forward whose operand the plan re-tiles, say; it checks it meets the function named.
 
     `summed` is None, or, for a dot's pending sum its readers reduce-scatter while a mesh axis is idle on it
     (neither tiles nor sums it), (the sum reduced in place: its summed axes off its dims, the sharding of
@@ -230,7 +230,7 @@ def call_constraints(state: ShardingState) -> dict[tuple[str, int], dict]:
                     summed = (reduced, _grad_received(state, v, backward.get(key, set())))
                 res = (values[v].shape, sh, summed)
         if ins or res is not None:
-            out[key] = {"ins": ins, "out": res}
+            out[key] = {"ins": ins, "out": res, "fn": ops[ids[-1]].call_fn}
     return out
 
 
