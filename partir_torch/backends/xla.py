@@ -364,14 +364,21 @@ class CallConstraints:
                     "takes another path than at capture)", path, k, what)
 
     def _inputs(self, ins: list, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        leaves, tree = pytree.tree_flatten((args, kwargs))
-        for shape, nth, spec, grad in ins:
-            hits = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and list(t.shape) == shape]
-            if nth < len(hits) and leaves[hits[nth]].device.type == "xla":  # (not a host constant)
-                i = hits[nth]
-                leaves[i] = constrain(leaves[i], self.mesh, _spec(spec, len(spec)),
-                                      _spec(grad, len(grad)) if grad is not None else None)
-        return pytree.tree_unflatten(leaves, tree)
+        picks = [(shape, nth, _spec(spec, len(spec)), _spec(grad, len(grad)) if grad is not None else None)
+                 for shape, nth, spec, grad in ins]
+        return constrain_by_shape((args, kwargs), self.mesh, picks)
+
+
+def constrain_by_shape(tree: Any, mesh, picks: list[tuple], *, unique: bool = False) -> Any:
+    """`tree` with, for each (shape, nth, spec, grad spec) of `picks`, its `nth` tensor leaf of that shape
+    constrained (`unique`: only when it is the one tensor of that shape). A plan names a call's operands and a
+    model's output so; a leaf off the XLA device (a host constant) is left alone."""
+    leaves, spec_tree = pytree.tree_flatten(tree)
+    for shape, nth, spec, grad in picks:
+        hits = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and list(t.shape) == shape]
+        if nth < len(hits) and not (unique and len(hits) > 1) and leaves[hits[nth]].device.type == "xla":
+            leaves[hits[nth]] = constrain(leaves[hits[nth]], mesh, spec, grad)
+    return pytree.tree_unflatten(leaves, spec_tree)
 
 
 class _Constrain(torch.autograd.Function):
@@ -555,14 +562,8 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
 
     def as_the_loss_reads(shape: list[int], spec: tuple, grad: tuple | None):
         def hook(mod, args, out):
-            leaves, tree = pytree.tree_flatten(out)
-            hits = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and list(t.shape) == shape
-                    and t.device.type == "xla"]
-            if len(hits) != 1:
-                return None
             with torch._C.DisableTorchFunction():  # not one of the model's calls
-                leaves[hits[0]] = constrain(leaves[hits[0]], mesh, spec, grad)
-            return pytree.tree_unflatten(leaves, tree)
+                return constrain_by_shape(out, mesh, [(shape, 0, spec, grad)], unique=True)
 
         return hook
 
