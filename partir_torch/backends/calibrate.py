@@ -48,8 +48,9 @@ class Calibration:
 
 def calibrate(model: str, mesh: str, schedule: str, *, overrides: dict[str, str] | None = None,
               optimizer: str = "adamw", constrain: bool = True, plain_layer_norm: bool = True) -> Calibration:
-    """`constrain`: also give XLA the plan's shardings of module outputs (and their gradients), so that GSPMD
-    partitions the activations as the plan does instead of by its own heuristics. `plain_layer_norm`: run
+    """`constrain`: also give XLA the plan's constraints on activations and gradients (module outputs and
+    inputs, parameters' reads, calls inside forwards, the model's output: what `auto_shard` applies), so that
+    GSPMD partitions the activations as the plan does instead of by its own heuristics. `plain_layer_norm`: run
     `nn.LayerNorm` as reductions (see `backends.xla`), not as torch_xla's batch-norm lowering."""
     from partir_torch import capture, workload
     from partir_torch.tactics import apply_schedule
@@ -64,7 +65,8 @@ def calibrate(model: str, mesh: str, schedule: str, *, overrides: dict[str, str]
     for k, b in predicted.items():
         as_cpu["all-reduce" if k == "reduce-scatter" else k] += b
     sp = specs(state)
-    step = run_step(model, m, sp if constrain else replace(sp, activations={}, grads={}),
+    bare = replace(sp, activations={}, grads={}, module_inputs={}, param_reads={}, calls={}, output=None)
+    step = run_step(model, m, sp if constrain else bare,
                     overrides=overrides, optimizer=optimizer, plain_layer_norm=plain_layer_norm)
     xla: dict[str, int] = defaultdict(int)
     for c in step.collectives:

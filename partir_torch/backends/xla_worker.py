@@ -90,7 +90,8 @@ def run_step(model: str, mesh: Mesh, specs: PlanSpecs, *, overrides: dict[str, s
              timeout: float = 900) -> XlaStep:
     """One step of a zoo model under `specs` (the calibration's form; `run` takes a whole plan)."""
     plan = ShardingPlan(dict(mesh.axes), specs.params, list(specs.inputs), specs.optimizer_state, {},
-                        activations=specs.activations, grads=specs.grads)
+                        activations=specs.activations, grads=specs.grads, module_inputs=specs.module_inputs,
+                        param_reads=specs.param_reads, calls=specs.calls, output=specs.output)
     return run(plan, {"workload": model, "overrides": overrides or {}}, optimizer=optimizer, seed=seed,
                lowerings={"layer_norm": plain_layer_norm}, return_params=return_params, timeout=timeout)
 

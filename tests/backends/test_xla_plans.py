@@ -92,9 +92,12 @@ def test_searched_plan_through_torch_xla():
 
 def test_expert_parallel_moe_through_torch_xla():
     """Experts tiled over `expert`, data parallel over `batch` (S6's pattern, on tiny-moe): torch_xla gives the
-    unsharded loss and updates, and the same all-reduce bytes (within 2 %). XLA keeps the einsum's merged
-    (capacity, expert) contraction dim in a strided layout and all-reduces its partial sums over `expert`;
-    the model gathers the dispatch/combine tensors instead (docs/cost-model.md, item 7), pinned here."""
+    unsharded loss and updates. Given only module outputs, XLA kept the einsum's merged (capacity, expert)
+    contraction dim in a strided layout and all-reduced its partial sums over `expert` where the plan gathers
+    the dispatch/combine tensors (docs/cost-model.md, item 7); with the plan's call constraints (the worker
+    applies what `auto_shard` does) it gathers exactly what the plan gathers, and all-reduces over `expert`
+    exactly as predicted. Over `batch` it all-reduces 6 % less: the plan reduces the dispatched tokens'
+    pending sum again for the weight gradient's bmm, XLA reuses the forward's reduced copy (docs/apply.md)."""
     from partir_torch.cost import evaluate, hardware
     from partir_torch.tactics import BatchParallel, Manual
 
@@ -107,10 +110,14 @@ def test_expert_parallel_moe_through_torch_xla():
     sp = specs(state)
     assert sp.params["h.1.moe.w_in"] == ["expert", None, None]
     xla = _matches_unsharded("tiny-moe", mesh, sp, "sgd")
-    by_kind = {k: sum(c.bytes for c in xla.collectives if c.kind == k) for k in ("all-reduce", "all-gather")}
-    assert sum(report.comm_bytes["all-reduce"].values()) == pytest.approx(by_kind["all-reduce"], rel=0.02)
-    assert by_kind["all-gather"] * 10 < sum(report.comm_bytes["all-gather"].values())
-    assert any(c.kind == "all-reduce" and c.axes == ("expert",) for c in xla.collectives)
+    measured: dict[tuple[str, str], int] = {}
+    for c in xla.collectives:
+        key = (c.kind, ",".join(c.axes))
+        measured[key] = measured.get(key, 0) + c.bytes
+    assert measured[("all-gather", "expert")] == report.comm_bytes["all-gather"]["expert"] > 0
+    assert measured[("all-gather", "batch")] == report.comm_bytes["all-gather"]["batch"]
+    assert measured[("all-reduce", "expert")] == report.comm_bytes["all-reduce"]["expert"] > 0
+    assert measured[("all-reduce", "batch")] == pytest.approx(report.comm_bytes["all-reduce"]["batch"], rel=0.1)
 
 
 def test_gns_plan_with_a_zero3_move_before_the_tiles_through_torch_xla():
