@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/calibration.py [--models tiny-mlp tiny-gpt2 tiny-llama] [--mesh batch=2,model=4]
         [--no-constrain] [--native-layer-norm]
 
-By default XLA gets the plan's activation shardings too (module outputs and their gradients) and runs
+By default XLA gets the plan's constraints on activations and gradients too (what `auto_shard` applies:
+module outputs and inputs, parameters' reads, calls inside forwards, the model's output) and runs
 LayerNorm as reductions (`backends/xla.py` says why); the two flags turn those off, to measure what they do.
 
 For every model x plan: collective bytes per device by kind, predicted (in XLA CPU's form: reduce-scatter
