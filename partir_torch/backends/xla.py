@@ -26,10 +26,10 @@ What `shard_module` does to the user's model, all of it undone by `unshard(model
    per module as the capture numbered them (`capture.attribution.CallTracker`) and applies `plan.calls`: an
    operand the plan reshards before a call is constrained (with its gradient) as the call reads it, and the
    call's result as the plan has it (`CallConstraints`; a dot's sum the plan reduce-scatters first reduced
-   in place, so that GSPMD does not split the dot over an idle axis). Views and in-place results are left as they are
-   (a constrained copy would not alias), and a module whose calls stop matching the capture's (another
-   function, or a result of another shape: its forward took another path on the device) is left to GSPMD,
-   with one warning.
+   in place, so that GSPMD does not split the dot over an idle axis). Views and in-place results are left
+   as they are (a constrained copy would not alias), and a module whose calls stop matching the capture's
+   (another function, or a result of another shape: its forward took another path on the device) is left
+   to GSPMD, with one warning.
 7. the model's output, when the loss function reshards it (a vocab-tiled head's logits gathered for the
    softmax; `plan.output`), is constrained to the sharding the loss reads it in, with the gradient the
    loss's backward sends back: the loss runs outside the model, where no hook reaches.
