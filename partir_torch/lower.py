@@ -316,9 +316,10 @@ def relayout_root(rules, relay: list[int], v: int, src: Sharding, dst: Sharding
                   ) -> tuple[int, Sharding, Sharding]:
     """(u, src', dst'): the reshard of `v` from `src` to `dst` as a reshard of the value `u` that `v` re-lays
     out (through views and transposes): the same elements moved the same way. A program that gathers a value
-    and its transpose gathers once (GSPMD propagates one gathered copy to both; XLA's CSE merges the rest)."""
-    if src.partial:  # pending sums are reduced per value: XLA all-reduces a sum and its view apart (tiny-moe)
-        return v, src, dst
+    and its transpose gathers once (GSPMD propagates one gathered copy to both; XLA's CSE merges the rest). So
+    for a pending sum and its views: the engine reduces the sum where the plan's first reader constrains it,
+    and autograd saves that reduced copy for the backward's reads through a transpose (MoE's dispatched
+    tokens; before the call constraints, XLA reduced a sum and its view apart)."""
     while (o := relay[v]) >= 0:
         rule = rules[o]
         s, d = pull_back(rule, src), pull_back(rule, dst)

@@ -158,10 +158,6 @@ def test_the_model_s_output_is_resharded_where_the_plan_reads_it_for_the_loss():
 _DEVIATES = {  # what XLA CPU does on these searched plans that the model does not have yet (docs/apply.md)
     "tiny-gns": "XLA gathers 22.2 of the 33.1 KiB of MLP weights and activations the plan gathers over model "
                 "(all-gather 0.71; all-reduce 1.02 and memory 1.23 are within the bar)",
-    "tiny-moe": "the plan reduces the dispatched tokens' pending sum again for the weight gradient's bmm "
-                "(through a transpose; XLA reuses the forward's reduced copy, 20 KiB), and reduce-scatters the "
-                "tied table's two gradient addends each, which XLA computes as halves all-reduced and moved "
-                "with collective-permutes (16 KiB): all-gather 1.00, all-reduce 0.75",
 }
 
 
