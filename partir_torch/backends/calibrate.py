@@ -12,13 +12,13 @@ all-reduce B bytes) so the two can be compared; `predicted` is what a TPU/GPU pi
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from partir_torch.backends.xla_worker import run_step
 from partir_torch.cost import evaluate, hardware
 from partir_torch.ir.mesh import Mesh
-from partir_torch.plan import specs
+from partir_torch.plan import PlanSpecs, specs
 
 
 @dataclass
@@ -65,7 +65,7 @@ def calibrate(model: str, mesh: str, schedule: str, *, overrides: dict[str, str]
     for k, b in predicted.items():
         as_cpu["all-reduce" if k == "reduce-scatter" else k] += b
     sp = specs(state)
-    bare = replace(sp, activations={}, grads={}, module_inputs={}, param_reads={}, calls={}, output=None)
+    bare = PlanSpecs(sp.params, sp.inputs, sp.optimizer_state)  # parameters, inputs and states only
     step = run_step(model, m, sp if constrain else bare,
                     overrides=overrides, optimizer=optimizer, plain_layer_norm=plain_layer_norm)
     xla: dict[str, int] = defaultdict(int)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from partir_torch.backends.hlo import (
@@ -89,9 +89,8 @@ def run_step(model: str, mesh: Mesh, specs: PlanSpecs, *, overrides: dict[str, s
              optimizer: str = "adamw", seed: int = 0, return_params: bool = False, plain_layer_norm: bool = True,
              timeout: float = 900) -> XlaStep:
     """One step of a zoo model under `specs` (the calibration's form; `run` takes a whole plan)."""
-    plan = ShardingPlan(dict(mesh.axes), specs.params, list(specs.inputs), specs.optimizer_state, {},
-                        activations=specs.activations, grads=specs.grads, module_inputs=specs.module_inputs,
-                        param_reads=specs.param_reads, calls=specs.calls, output=specs.output)
+    given = {f.name: getattr(specs, f.name) for f in fields(specs)}  # (every spec a plan carries, by name)
+    plan = ShardingPlan(dict(mesh.axes), cost={}, **{**given, "inputs": list(specs.inputs)})
     return run(plan, {"workload": model, "overrides": overrides or {}}, optimizer=optimizer, seed=seed,
                lowerings={"layer_norm": plain_layer_norm}, return_params=return_params, timeout=timeout)
 
