@@ -76,7 +76,7 @@ def test_a_saved_plan_has_everything_to_apply_it_and_loads_back(tmp_path):
     model, inputs, plan = _tiny_plan("batch=2:dcn,model=4")
     plan.save(tmp_path / "p.json")
     d = json.loads((tmp_path / "p.json").read_text())
-    assert d["format"] == 1 and d["mesh"] == {"axes": {"batch": 2, "model": 4}, "dcn": ["batch"]}
+    assert d["format"] == 2 and d["mesh"] == {"axes": {"batch": 2, "model": 4}, "dcn": ["batch"]}
     assert d["hardware"] == "cpu-virtual" and d["schedule"] == "batch:BatchParallel;model:Megatron"
     assert d["optimizer"] == "adamw" and len(d["program_hash"]) == 16
     assert d["input_args"] == [0, None]  # tokens reach forward() as its first argument, targets do not
@@ -218,12 +218,14 @@ class _Proj(torch.nn.Module):
 
 
 @pytest.mark.parametrize("conv,mesh", [(False, "batch=2,model=4"), (True, "batch=2,model=4"), (False, "batch=2")])
-def test_a_dot_s_sum_the_plan_reduce_scatters_is_reduced_in_place_first(conv, mesh):
-    """`plan.calls` out of a sum its readers reduce-scatter (batch-tiled targets pull the relu batch-tiled):
-    a dot's, with `model` idle on it, names the sum reduced in place (the contraction's axis off its dims)
-    and the gradient the call's backward reads (gathered: the weight gradient reads its tiles), for the
-    engine to all-reduce and slice where GSPMD would split the dot over the idle axis and permute; a
-    convolution's, or a dot's with no idle axis, is left as it is."""
+def test_a_sum_the_plan_reduce_scatters_is_stated_with_what_a_backend_decides_by(conv, mesh):
+    """`plan.calls` out of a sum its readers reduce-scatter (batch-tiled targets pull the relu batch-tiled)
+    says so (`reads.PendingSum`): the axes it is summed over, the rule that sums (a convolution's through
+    the transpose after it), the sum reduced in place (the contraction's axis off its dims) and the
+    gradient the call's backward reads (gathered: the weight gradient reads its tiles). Facts only: the
+    XLA backend reduces a dot's sum in place when `model` is idle on it (`backends.xla.reduce_in_place`),
+    and leaves the convolution's and the one-axis mesh's as they are."""
+    from partir_torch.backends.xla import reduce_in_place
     from partir_torch.ir import Tile
     from partir_torch.propagate import ShardingState
 
@@ -233,12 +235,13 @@ def test_a_dot_s_sum_the_plan_reduce_scatters_is_reduced_in_place_first(conv, me
     for a in (Tile("proj.weight", 1, "batch"), Tile("inputs[0]", 2, "batch"), Tile("inputs[1]", 0, "batch")):
         state.apply(a)
     plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="manual")
-    outs = [c["out"] for cs in plan.calls.values() for c in cs.values() if c["out"] is not None]
-    if conv or mesh == "batch=2":  # (a convolution's sum leaves its module pending: the transpose tiles it)
-        assert ["batch", None, None] in [o[1] for o in outs] and {len(o) for o in outs} == {2}, outs
-    else:
-        assert plan.calls["proj"]["0"]["out"] == [[8, 4, 12], ["batch", None, None], [None, None, None],
-                                                  [None, None, None]]
+    sums = [c["out"] for cs in plan.calls.values() for c in cs.values() if c["out"] is not None and len(c["out"]) == 3]
+    assert len(sums) == 1, plan.calls
+    shape, spec, summed = sums[0]
+    assert (shape, spec) == ([8, 4, 12], ["batch", None, None])
+    assert summed == {"over": ["batch"], "by": "convolution" if conv else "addmm", "reduced": [None, None, None],
+                      "grad": None if conv else [None, None, None]}
+    assert reduce_in_place(summed, spec, tuple(plan.mesh)) == (not conv and mesh == "batch=2,model=4")
     assert ShardingPlan.from_json(json.loads(json.dumps(plan.to_json()))).calls == plan.calls
 
 

@@ -26,7 +26,8 @@ What `shard_module` does to the user's model, all of it undone by `unshard(model
    per module as the capture numbered them (`capture.attribution.CallTracker`) and applies `plan.calls`: an
    operand the plan reshards before a call is constrained (with its gradient) as the call reads it, and the
    call's result as the plan has it (`CallConstraints`; a dot's sum the plan reduce-scatters first reduced
-   in place, so that GSPMD does not split the dot over an idle axis). Views and in-place results are left
+   in place when a mesh axis is idle on it, so that GSPMD does not split the dot over that axis:
+   `reduce_in_place`). Views and in-place results are left
    as they are (a constrained copy would not alias), and a module whose calls stop matching the capture's
    (another function, or a result of another shape: its forward took another path on the device) is left
    to GSPMD, with one warning.
@@ -309,8 +310,8 @@ class CallConstraints:
     A result whose shape is not the captured one means the forward took another path than at capture: the
     module's remaining calls are left alone (one warning)."""
 
-    def __init__(self, model: nn.Module, mesh, calls: dict[str, dict[str, dict]]) -> None:
-        self.mesh = mesh
+    def __init__(self, model: nn.Module, mesh, calls: dict[str, dict[str, dict]], axes: tuple[str, ...]) -> None:
+        self.mesh, self.axes = mesh, axes
         self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
         self.table = {path: {int(k): c for k, c in cs.items()} for path, cs in calls.items()}
         self.stack: list[str] = []
@@ -344,7 +345,7 @@ class CallConstraints:
             return out
         if c is None or c["out"] is None or not isinstance(out, torch.Tensor):
             return out
-        shape, spec, *summed = c["out"]
+        shape, spec, *rest = c["out"]
         if list(out.shape) != shape:
             self._stray(path, k, f"makes {list(out.shape)} where the capture had {shape}")
             return out
@@ -352,8 +353,8 @@ class CallConstraints:
             return out  # aliasing kept: a constrained copy would not see later in-place writes
         if out.device.type != "xla" or out.dim() == 0:
             return out  # a host constant the model makes (`torch.tensor(d ** 0.5)`), or a scalar
-        if summed:  # a sum the plan reduce-scatters: all-reduced in place, then sliced (`reads.call_constraints`)
-            reduced, grad = summed
+        if rest and reduce_in_place(rest[0], spec, self.axes):  # all-reduced in place, then sliced
+            reduced, grad = rest[0]["reduced"], rest[0]["grad"]
             out = constrain(out, self.mesh, _spec(reduced, len(reduced)),
                             _spec(grad, len(grad)) if grad is not None else None)
         return constrain(out, self.mesh, _spec(spec, len(spec)), _spec(spec, len(spec)))
@@ -367,6 +368,22 @@ class CallConstraints:
         picks = [(shape, nth, _spec(spec, len(spec)), _spec(grad, len(grad)) if grad is not None else None)
                  for shape, nth, spec, grad in ins]
         return constrain_by_shape((args, kwargs), self.mesh, picks)
+
+
+_DOTS = {"mm", "addmm", "bmm", "baddbmm"}  # rules of the ops GSPMD's dot partitioner takes
+
+
+def reduce_in_place(summed: dict, spec: list, axes: tuple[str, ...]) -> bool:
+    """Whether a call's result the plan makes as a sum and reduce-scatters into `spec` (`summed`:
+    `reads.PendingSum` as JSON) is constrained reduced in place first: a dot's sum with a mesh axis idle on
+    it (neither tiling nor summing it). Left to itself, GSPMD's dot partitioner splits such a dot over the
+    idle axis (a QKV projection's rows), all-reduces a part and moves it to its devices with a
+    collective-permute, and gathers its gradient the same way; reduced in place, it all-reduces and slices,
+    an XLA reduce-scatter in the CPU's form. Other sums (a convolution's, a dot's with no idle axis) it
+    reduce-scatters as the plan does, and reduced in place first it partitions them otherwise (measured:
+    docs/apply.md), so they are left as they are."""
+    used = {a for e in spec if e is not None for a in ([e] if isinstance(e, str) else e)}
+    return summed["by"] in _DOTS and bool(set(axes) - used - set(summed["over"]))
 
 
 def constrain_by_shape(tree: Any, mesh, picks: list[tuple], *, unique: bool = False) -> Any:
@@ -627,7 +644,7 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
     if rec.lowerings is not None:
         rec.lowerings.compiling = plan.compiling
     if rec.lowerings is not None and plan.calls:
-        calls = rec.lowerings.calls = CallConstraints(model, mesh, plan.calls)
+        calls = rec.lowerings.calls = CallConstraints(model, mesh, plan.calls, tuple(plan.mesh))
         for m in {id(m): m for m in model.modules()}.values():  # first in, last out: around the user's hooks
             rec.handles += [m.register_forward_pre_hook(calls.push, prepend=True),
                             m.register_forward_hook(calls.pop, prepend=True, always_call=True)]

@@ -60,12 +60,13 @@ def _out_json(out) -> list | None:
     shape, sh, summed = out
     if summed is None:
         return [list(shape), sh.to_spec()]
-    return [list(shape), sh.to_spec(), summed[0].to_spec(), summed[1].to_spec() if summed[1] is not None else None]
+    return [list(shape), sh.to_spec(), summed.to_json()]
 
 
 def _calls_json(state: ShardingState) -> dict[str, dict[str, dict]]:
     """`reads.call_constraints` as JSON: {path: {call: {"ins": [[shape, nth, spec, grad spec or None]], "out":
-    [shape, spec] or [shape, spec, reduced spec, its gradient's spec or None] or None, "fn": the function's
+    [shape, spec] or [shape, spec, {"over": axes, "by": rule, "reduced": spec, "grad": spec or None}] (a sum
+    its readers reduce-scatter: `reads.PendingSum`) or None, "fn": the function's
     name}}}, a folded program's element 1 standing for elements 1..N-1."""
     out: dict[str, dict[str, dict]] = {}
     for (path, k), c in sorted(call_constraints(state).items()):
@@ -128,7 +129,7 @@ def specs(state: ShardingState) -> PlanSpecs:
     )
 
 
-FORMAT = 1  # the version of the saved plan's JSON; `load` refuses other versions
+FORMAT = 2  # the version of the saved plan's JSON; `load` refuses other versions (2: `calls` outs)
 
 
 class PlanMismatchError(PartirError):

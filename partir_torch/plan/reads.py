@@ -5,6 +5,8 @@ instead of resolving the conflict its own way."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from partir_torch.ir.sharding import Sharding
 from partir_torch.propagate import ShardingState
 
@@ -169,6 +171,23 @@ def _calls(program) -> dict[tuple[str, int], list[int]]:
     return out
 
 
+@dataclass(frozen=True)
+class PendingSum:
+    """A call's result the plan makes as a sum over the mesh axes `over` that its readers reduce-scatter:
+    the rule of the op that sums (`by`, through the data movement after it), the sum reduced in place
+    (`reduced`: its dims without the summed axes) and the sharding the call's backward reads the result's
+    gradient in (`grad`, None when it is not one)."""
+
+    over: tuple[str, ...]
+    by: str | None
+    reduced: Sharding
+    grad: Sharding | None
+
+    def to_json(self) -> dict:
+        return {"over": list(self.over), "by": self.by, "reduced": self.reduced.to_spec(),
+                "grad": self.grad.to_spec() if self.grad is not None else None}
+
+
 def call_constraints(state: ShardingState) -> dict[tuple[str, int], dict]:
     """{(module path, call number): {"ins": [(shape, nth, sharding, gradient's sharding or None)], "out":
     (shape, sharding, summed) or None, "fn": the function's name}} for the torch-function calls inside
@@ -179,14 +198,10 @@ def call_constraints(state: ShardingState) -> dict[tuple[str, int], dict]:
     does, inside a module as at its boundary (`module_inputs`, `output_shardings`): a `torch.cat` in a
     model's own forward whose operand the plan re-tiles, say; it checks it meets the function named.
 
-    `summed` is None, or, for a dot's pending sum its readers reduce-scatter while a mesh axis is idle on it
-    (neither tiles nor sums it), (the sum reduced in place: its summed axes off its dims, the sharding of
-    the gradient the call's backward reads, or None): constrained to that first, the engine all-reduces and
-    then slices, an XLA reduce-scatter in the CPU's form. Left to itself, GSPMD's dot partitioner splits the
-    dot over the idle axis instead (a QKV projection's rows), all-reduces a part and moves it to its devices
-    with a collective-permute, and gathers its gradient the same way. Other sums (a convolution's, a dot's
-    with no idle axis) it reduce-scatters as the plan does, and reduced in place first it partitions them
-    otherwise (docs/apply.md), so they are left as they are."""
+    `summed` is None, or, for a result the plan makes as a sum its readers reduce-scatter, its `PendingSum`:
+    what a backend needs to choose how its engine reduces it (`backends.xla` has GSPMD reduce a dot's sum
+    in place first when a mesh axis is idle on it: docs/apply.md). The plan states the facts; which engine
+    does what with them is the backend's knowledge."""
     from partir_torch.ir.program import Phase, Role
 
     program = state.program
@@ -224,10 +239,10 @@ def call_constraints(state: ShardingState) -> dict[tuple[str, int], dict]:
                 sh = _read_as(state, v, set(users[v]))
             if sh is not None and not sh.chunks:
                 summed = None
-                idle = set(state.mesh.names) - sh.axes - pending
-                if pending & sh.axes and idle and _summed_by(state, v) in _DOTS:  # reduced in place first
+                if pending & sh.axes:  # reduce-scattered by its readers
                     reduced = Sharding(tuple(tuple(a for a in d if a not in pending) for d in sh.dims))
-                    summed = (reduced, _grad_received(state, v, backward.get(key, set())))
+                    summed = PendingSum(tuple(sorted(pending)), _summed_by(state, v), reduced,
+                                        _grad_received(state, v, backward.get(key, set())))
                 res = (values[v].shape, sh, summed)
         if ins or res is not None:
             out[key] = {"ins": ins, "out": res, "fn": ops[ids[-1]].call_fn}
@@ -286,9 +301,6 @@ def _grad_sent(state: ShardingState, v: int, mine: set[int]) -> Sharding | None:
         if not sh.partial and not sh.chunks:
             return sh
     return None
-
-
-_DOTS = {"mm", "addmm", "bmm", "baddbmm"}  # rules of the ops GSPMD's dot partitioner takes
 
 
 def _summed_by(state: ShardingState, v: int) -> str | None:
