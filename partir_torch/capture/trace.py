@@ -6,7 +6,8 @@ written as a pure function (forward and loss through `_reparametrize_module`, ba
 in a `FakeTensorMode`. No weight is ever allocated: a 7B model built on the meta device captures in seconds.
 
 The parts: module attribution (`attribution`), the FX graph as a `Program` (`convert`), the checks fake
-tensors skip (`checks`), errors explained (`explain`), opaque modules (`opaque`), folding (`fold`).
+tensors skip (`checks`), errors explained (`explain`), opaque modules (`opaque`), folding (`fold`), and
+what the traced code leaves in the model, taken back (`isolation`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from partir_torch.capture.decomp import FUNCTIONAL_DECOMPS
 from partir_torch.capture.explain import data_dependent, explain
 from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
+from partir_torch.capture.isolation import ModelState
 from partir_torch.capture.opaque import OpaqueModules, OutputShapeVaries
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
 from partir_torch.errors import CaptureError
@@ -194,7 +196,7 @@ def capture(
             # (linear + pointwise per time step) is what other devices run and what the rules cover
             torch._C._set_mkldnn_enabled(False)
             by_autograd = bool(opaque) or old_function  # (read by `step`, as aot_autograd differentiates)
-            with fx_traceback.preserve_node_meta(), tracker, CallTracker(tracker), \
+            with ModelState(model), fx_traceback.preserve_node_meta(), tracker, CallTracker(tracker), \
                     OpaqueModules(model, opaque, own_state, opaque_calls) as opaque_mods:
                 traced = (_functionalize_autograd(step) if by_autograd else
                           torch.func.functionalize(step, remove="mutations"))
