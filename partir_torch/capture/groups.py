@@ -65,9 +65,15 @@ def group_key(param_path: str, repeated: set[str]) -> str:
 def parameter_groups(
     model: nn.Module, names: list[str], shapes: dict[str, tuple[int, ...]]
 ) -> list[tuple[str, list[str]]]:
-    """[(key, [param names])] for every key shared by two or more parameters, in first-appearance order."""
+    """[(key, [param names])] for every key shared by two or more parameters, in first-appearance order.
+    Keys are unique: where one key holds parameters of different shapes (a `Sequential` of convolutions and
+    their BatchNorms: `*.weight` both), each group's key names its shape (`*.weight@24`,
+    `*.weight@24x24x1x1`), so that no group's values are taken for another's peers."""
     repeated = repeated_modules(model)
     buckets: dict[tuple[str, tuple[int, ...]], list[str]] = {}
     for n in names:
         buckets.setdefault((group_key(n, repeated), shapes[n]), []).append(n)
-    return [(key, members) for (key, _), members in buckets.items() if len(members) > 1]
+    groups = [(key, shape, members) for (key, shape), members in buckets.items() if len(members) > 1]
+    seen = Counter(key for key, _, _ in groups)
+    return [(f"{key}@{'x'.join(map(str, shape)) or 'scalar'}" if seen[key] > 1 else key, members)
+            for key, shape, members in groups]

@@ -77,3 +77,28 @@ def test_siblings_that_differ_in_shape_are_not_repeats():
     names = [n for n, _ in m.named_parameters()]
     groups = dict(parameter_groups(m, names, {n: tuple(q.shape) for n, q in m.named_parameters()}))
     assert groups == {"*.weight": ["1.weight", "2.weight"], "*.bias": ["1.bias", "2.bias"]}
+
+
+def test_groups_that_share_a_key_are_told_apart_by_shape():
+    """A Sequential of conv-BN-ReLU blocks repeats its BatchNorms four times and two of its convolutions:
+    both groups are `*.weight`, so each key names its shape, and a repeated layer's peers are values of
+    its own group (they had been the other group's: a tile of the convolutions raised an IndexError)."""
+    import torch
+
+    from partir_torch.ir import Mesh
+    from partir_torch.propagate import ShardingState
+    from partir_torch.tactics import Manual, apply_schedule
+
+    def block(i: int, o: int, k: int = 1, g: int = 1) -> list[nn.Module]:
+        return [nn.Conv2d(i, o, k, padding=k // 2, groups=g, bias=False), nn.BatchNorm2d(o), nn.ReLU()]
+
+    m = nn.Sequential(*block(3, 8, 3), *block(8, 8), *block(8, 8, 3, 2), *block(8, 8), nn.Flatten(), nn.Linear(128, 4))
+    p = capture(m, (torch.randn(4, 3, 4, 4), torch.randint(0, 4, (4,))),
+                lambda net, x, y: nn.functional.cross_entropy(net(x), y), "sgd")
+    assert {(g.key, g.params) for g in p.groups if "weight" in g.key} == {
+        ("*.weight@8", ("1.weight", "4.weight", "7.weight", "10.weight")),
+        ("*.weight@8x8x1x1", ("3.weight", "9.weight"))}
+    state = ShardingState(p, Mesh.parse("batch=2,model=4"))
+    assert all(p.values[q].shape == p.values[v].shape for v, qs in state.peers.items() for q in qs)
+    state = apply_schedule(p, Mesh.parse("batch=2,model=4"), [Manual({"3.weight": [None, "model", None, None]})])
+    assert state.shard[p.params["9.weight"]].dims[1] == ("model",)  # its repeat, tiled alike
