@@ -629,17 +629,12 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
         rec.handles += [mod.register_forward_pre_hook(swap.enter),
                         mod.register_forward_hook(swap.leave, always_call=True)]
 
-    def grad_to(spec: tuple):
-        def hook(g):
-            _mark(g, mesh, spec)
-
-        return hook
-
+    grouped = _grouped_conv_weights(model)
     params = dict(model.named_parameters())
     for n, spec in plan.grads.items():  # parameter gradients reduced as planned
         p = params.get(n)
         if p is not None and p.requires_grad and spec is not None:  # replicated ones too (as parameters)
-            rec.handles.append(p.register_hook(grad_to(_spec(spec, p.dim()))))
+            rec.handles.append(p.register_hook(grad_hook(mesh, _spec(spec, p.dim()), whole_first=n in grouped)))
     rec.handles.append(model.register_forward_pre_hook(_batch_hook(rec), with_kwargs=True))
     if rec.lowerings is not None:
         rec.lowerings.compiling = plan.compiling
@@ -651,6 +646,36 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
     if rec.lowerings is not None and rec.lowerings.active:
         rec.handles.append(model.register_forward_pre_hook(rec.lowerings.enter))
         rec.handles.append(model.register_forward_hook(rec.lowerings.leave, always_call=True))
+
+
+def grad_hook(mesh, spec: tuple, *, whole_first: bool = False) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """A parameter's gradient hook: the gradient constrained to `spec`, as the plan keeps it; `whole_first`:
+    constrained replicated first, as the plan makes it, then to `spec` (`_grouped_conv_weights`)."""
+    if not whole_first or all(e is None for e in spec):
+        def mark(g: torch.Tensor) -> None:
+            _mark(g, mesh, spec)
+
+        return mark
+
+    def made_whole(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        _mark(g, mesh, (None,) * g.dim())
+        g = g.clone()
+        _mark(g, mesh, spec)
+        return g
+
+    return made_whole
+
+
+def _grouped_conv_weights(model: nn.Module) -> set[str]:
+    """The weights of the model's grouped convolutions. Their convolution runs with its channels whole
+    (`rules/conv.py`), so the plan makes their gradient whole and then reduces it to its tiles; the engine is
+    told so. Left to itself, GSPMD partitions the weight-gradient convolution (`batch_group_count` = groups)
+    over the output channels the gradient is tiled on, and when that count does not divide the groups (a
+    RegNetY stage of 3 groups, tiled by 2) XLA 2.9 aborts the process: "Check failed: new_input_batch_size %
+    new_output_batch_size == 0" in its convolution handler (docs/apply.md)."""
+    return {f"{path}.weight" if path else "weight" for path, m in model.named_modules()
+            if isinstance(m, nn.modules.conv._ConvNd) and m.groups > 1}
 
 
 def _batch_hook(rec: Sharded):

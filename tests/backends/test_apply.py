@@ -539,3 +539,32 @@ def test_a_host_constant_made_in_forward_is_left_on_the_host():
     assert losses == pytest.approx(_train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), loss, (x,), 2, shard=False),
                                    rel=1e-5)
     partir_torch.unshard(net)
+
+
+def test_a_grouped_convolution_s_weight_gradient_is_made_whole_before_it_is_tiled():
+    """A grouped convolution runs with its channels whole (`rules/conv.py`): its weight gradient is made whole
+    and then tiled. Constrained to the tiles directly, with the output channel-tiled (a RegNetY stage under a
+    searched plan), GSPMD partitions the weight-gradient convolution over 2 channel tiles of 3 groups and
+    XLA 2.9 aborts the process in its convolution handler; the backend's hook for such a weight
+    (`grad_hook(..., whole_first=True)`, chosen by `_grouped_conv_weights`) has XLA make it whole first."""
+    import torch_xla
+
+    from partir_torch.backends.xla import _grouped_conv_weights, constrain, device_mesh, grad_hook
+    from partir_torch.ir import Mesh
+
+    mesh = device_mesh(Mesh.parse("batch=2,model=4"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(24, 24, 1), nn.Conv2d(24, 24, 3, padding=1, groups=3, bias=False))
+    assert _grouped_conv_weights(model) == {"1.weight"}
+    x = torch.randn(4, 24, 8, 8)
+    model(x).square().mean().backward()
+    ref = model[1].weight.grad
+    conv = copy.deepcopy(model[1]).to(torch_xla.device())
+    conv.weight.grad = None
+    partir_torch.backends.xla._mark(conv.weight, mesh, ("batch", None, None, None))
+    conv.weight.register_hook(grad_hook(mesh, ("batch", None, None, None), whole_first=True))
+    y = constrain(conv(model[0](x).detach().to(torch_xla.device())), mesh, (None, "batch", None, None),
+                  (None, "batch", None, None))
+    y.square().mean().backward()
+    torch_xla.sync()
+    torch.testing.assert_close(conv.weight.grad.cpu(), ref, rtol=1e-4, atol=1e-6)
