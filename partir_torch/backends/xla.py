@@ -422,6 +422,12 @@ class _Constrain(torch.autograd.Function):
 
 
 def constrain(t: torch.Tensor, mesh, spec: tuple, grad_spec: tuple | None) -> torch.Tensor:
+    """`t` constrained to `spec` (and its gradient to `grad_spec`). A boolean tensor is left to GSPMD: torch_xla
+    2.9 lowers `cumsum` of a bool as a `pred` reduce-window, and with a sharding annotation before it XLA's
+    HLO verifier rejects the program after sharding propagation ("Expected instruction to have shape equal to
+    u8[4,8], actual shape is pred[4,8]": HF Gemma-2's packed-sequence mask). A mask's resharding is cheap."""
+    if t.dtype == torch.bool:
+        return t
     return _Constrain.apply(t, mesh, spec, grad_spec)
 
 

@@ -269,7 +269,8 @@ def _old_style_function(e: BaseException) -> bool:
     """Whether `e` is torch.func's refusal of an `autograd.Function` that has no `setup_context`: autograd
     itself differentiates those (as eager training does), so capture takes that path instead."""
     while e is not None:
-        if isinstance(e, RuntimeError) and "must override the setup_context staticmethod" in str(e):
+        if isinstance(e, RuntimeError) and ("must override the setup_context staticmethod" in str(e)
+                                            or "Functionalize rule for custom_function_call" in str(e)):
             return True
         e = e.__cause__ or e.__context__
     return False

@@ -187,3 +187,42 @@ def test_an_autograd_function_without_setup_context_is_differentiated_by_its_own
     for n, q in model.named_parameters():  # the Function's backward (its factor 2.0 included), not gelu's
         torch.testing.assert_close(out[p.grads[n]], q.grad)
     assert {op.module for op in p.ops if op.phase is Phase.BACKWARD and op.module} >= {"up", "down"}
+
+
+class _Square(torch.autograd.Function):
+    """A Function with a vmap rule, called under `torch.vmap` in a forward (HF's mask functions run so):
+    torch.func's functionalization has no rule for it, so capture takes the autograd path."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3.0 * x * g  # (not the true derivative: the capture must run this backward, not its own)
+
+
+class _Vmapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.down(torch.vmap(_Square.apply)(self.up(x)))
+
+
+def test_an_autograd_function_under_vmap_in_the_forward_is_differentiated_by_its_own_backward():
+    torch.manual_seed(0)
+    model, x, y = _Vmapped(), torch.randn(6, 4), torch.randn(6, 2)
+    p = capture(model, (x, y), _mse, None)
+    out = p.run(dict(model.named_parameters()), {}, (x, y))
+    _mse(model, x, y).backward()
+    for n, q in model.named_parameters():
+        torch.testing.assert_close(out[p.grads[n]], q.grad)
