@@ -134,7 +134,9 @@ def main() -> None:
         with open(ROOT / "benchmarks" / "results" / "models.json") as f:
             prev = json.load(f)
         fresh = {r["name"]: r for r in results}
-        results = [fresh.get(r["name"], r) for r in prev["results"]]
+        merged = {r["name"]: fresh.get(r["name"], r) for r in prev["results"]}
+        merged.update(fresh)  # (architectures new to the sweep too, in its order)
+        results = [merged[n] for n in NAMES if n in merged] + [r for n, r in merged.items() if n not in NAMES]
         total = prev["meta"]["total_s"]
     if args.update or not args.names:  # a full run: the results, the table and the known failures
         (ROOT / "benchmarks" / "results").mkdir(exist_ok=True)

@@ -204,6 +204,7 @@ BUILDERS: dict[str, Callable[[], Workload]] = {
     "hf-mistral": _decoder("MistralForCausalLM", "MistralConfig", num_key_value_heads=2),
     "hf-qwen2": _decoder("Qwen2ForCausalLM", "Qwen2Config", num_key_value_heads=2),
     "hf-gemma": _decoder("GemmaForCausalLM", "GemmaConfig", num_key_value_heads=2, head_dim=8),
+    "hf-gemma2": _decoder("Gemma2ForCausalLM", "Gemma2Config", num_key_value_heads=2, head_dim=8),
     "hf-phi": _decoder("PhiForCausalLM", "PhiConfig"),
     "hf-mixtral": _decoder("MixtralForCausalLM", "MixtralConfig", num_key_value_heads=2, num_local_experts=4,
                            num_experts_per_tok=2),
@@ -232,6 +233,8 @@ BUILDERS: dict[str, Callable[[], Workload]] = {
     "hf-vit": _hf("ViTForImageClassification", "ViTConfig", _image_inputs(), _image_loss, **_VIS),
     "hf-swin": _hf("SwinForImageClassification", "SwinConfig", _image_inputs(), _image_loss, image_size=16,
                    patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2, num_labels=4),
+    "hf-beit": _hf("BeitForImageClassification", "BeitConfig", _image_inputs(), _image_loss,
+                   use_relative_position_bias=True, **_VIS),
     "hf-clip": _clip,
     "hf-whisper": _whisper,
     "hf-wav2vec2": _wav2vec2,
@@ -252,6 +255,7 @@ BUILDERS: dict[str, Callable[[], Workload]] = {
     "timm-mixer": _timm_class("mlp_mixer.MlpMixer", img_size=32, patch_size=8, num_blocks=2, embed_dim=H),
     "timm-mobilenetv3": _timm("mobilenetv3_small_050"),
     "timm-efficientvit": _timm("efficientvit_b0"),
+    "timm-regnety": _timm("regnety_002"),
 }
 NAMES = list(BUILDERS)
 

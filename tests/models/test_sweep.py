@@ -1,10 +1,11 @@
 """The model sweep (DTensor op-info style): third-party architectures through capture, coverage, plan and the
 simulator, with an explicit, regenerable list of known failures.
 
-CI runs `CI_SUBSET`, one architecture per family of constructs (dropout, rotary/GQA attention, relative
-position buckets, SDPA masks through `assume_compiling`, LayerDrop through eval mode, BatchNorm, windows and
-rolls, stochastic depth, a known failure); `PARTIR_SWEEP=full pytest tests/models/test_sweep.py` runs all of
-them, as `benchmarks/models.py` does (which also rewrites `KNOWN_FAILURES` below and docs/models.md).
+CI runs `CI_SUBSET`, one architecture per family of constructs (dropout, rotary/GQA attention, vmapped mask
+functions, relative position buckets, SDPA masks through `assume_compiling`, LayerDrop through eval mode,
+BatchNorm, windows and rolls, stochastic depth, a known failure); `PARTIR_SWEEP=full pytest
+tests/models/test_sweep.py` runs all of them, as `benchmarks/models.py` does (which also rewrites
+`KNOWN_FAILURES` below and docs/models.md).
 Every run also checks that `coverage` and `plan` agree.
 """
 
@@ -33,8 +34,8 @@ KNOWN_FAILURES: dict[str, tuple[str, str]] = {
 }
 # END KNOWN_FAILURES
 
-CI_SUBSET = ["hf-gpt2", "hf-llama", "hf-t5", "hf-bert-sdpa", "hf-opt", "hf-swin", "hf-mixtral", "tv-regnet",
-             "tv-convnext", "timm-vit_tiny"]
+CI_SUBSET = ["hf-gpt2", "hf-llama", "hf-gemma2", "hf-t5", "hf-bert-sdpa", "hf-opt", "hf-swin", "hf-mixtral",
+             "tv-regnet", "tv-convnext", "timm-vit_tiny"]
 SELECTED = NAMES if os.environ.get("PARTIR_SWEEP") == "full" else CI_SUBSET
 
 
