@@ -167,7 +167,19 @@ def _mark(t: torch.Tensor, mesh, spec: tuple) -> None:
     torch_xla, _, _ = _xla()
     if t.dim() != len(spec):
         raise ValueError(f"spec {spec} has {len(spec)} entries for a tensor of rank {t.dim()}")
+    if t.dim() > MAX_RANK:
+        if any(e is not None for e in spec) and tuple(t.shape) not in _UNMARKED:
+            _UNMARKED.add(tuple(t.shape))
+            log.warning("a tensor of shape %s is kept replicated where the plan has %s: torch_xla 2.9 cannot "
+                        "annotate a tensor of rank %d (more than %d dims: the XLA verifier rejects its sharding)",
+                        list(t.shape), spec, t.dim(), MAX_RANK)
+        return
     torch_xla._XLAC._xla_mark_sharding(t, mesh.get_op_sharding(spec))
+
+
+MAX_RANK = 5  # torch_xla 2.9's `Mesh.get_op_sharding` builds a tile assignment with repeated devices above
+# this rank (tests/backends/test_xla_known_bugs.py): such tensors are left to GSPMD
+_UNMARKED: set[tuple[int, ...]] = set()  # shapes warned about once
 
 
 def _to_device(t: torch.Tensor, mesh, spec: list | None) -> torch.Tensor:
@@ -180,6 +192,8 @@ def _to_device(t: torch.Tensor, mesh, spec: list | None) -> torch.Tensor:
         return t.detach().to(torch_xla.device())
     spec_t = _spec(spec, t.dim())
     used = {a for e in spec_t if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    if t.dim() > MAX_RANK:  # (kept whole: `_mark`)
+        t = t.detach().to(torch_xla.device())
     if t.device.type != "xla" and all(e is not None for e in spec_t) and len(used) < len(mesh.axis_names):
         # torch_xla 2.9 cannot transfer by shards a tensor tiled on every dim and replicated over another axis
         # (an IndexError: tests/backends/test_xla_known_bugs.py): move it whole, then split it on the device
@@ -426,7 +440,7 @@ def constrain(t: torch.Tensor, mesh, spec: tuple, grad_spec: tuple | None) -> to
     2.9 lowers `cumsum` of a bool as a `pred` reduce-window, and with a sharding annotation before it XLA's
     HLO verifier rejects the program after sharding propagation ("Expected instruction to have shape equal to
     u8[4,8], actual shape is pred[4,8]": HF Gemma-2's packed-sequence mask). A mask's resharding is cheap."""
-    if t.dtype == torch.bool:
+    if t.dtype == torch.bool or t.dim() > MAX_RANK:  # (and a tensor torch_xla cannot annotate: `_mark`)
         return t
     return _Constrain.apply(t, mesh, spec, grad_spec)
 

@@ -598,3 +598,33 @@ def test_a_boolean_mask_made_by_a_call_is_left_to_the_engine():
     got = _train(model, opt, tagger_loss, batch, 2, shard=True)
     want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), tagger_loss, batch, 2, shard=False)
     assert got == pytest.approx(want, rel=1e-5)
+
+
+class _Patches(nn.Module):
+    """Cuts images into patches through a rank-6 view, as ViT-MAE's loss does (`einsum("nchpwq->nhwpqc")`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3 * 4 * 4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c = x.shape[:2]
+        p = torch.einsum("nchpwq->nhwpqc", x.reshape(n, c, 2, 4, 2, 4))
+        return self.proj(p.reshape(n, 4, -1)).mean(1)
+
+
+def test_a_tensor_of_rank_6_is_left_to_the_engine():
+    """torch_xla 2.9 cannot annotate a tensor of more than 5 dims (test_xla_known_bugs.py): the plan's
+    constraint on the patches is skipped, and the model trains like unsharded."""
+    torch.manual_seed(0)
+    model = _Patches()
+    batch = (torch.randn(8, 3, 8, 8), torch.randn(8, 8))
+    loss = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
+    ref = copy.deepcopy(model)
+    plan = search(model, batch, MESH, loss_fn=loss, optimizer="sgd", schedule="batch:BatchParallel")
+    assert any(c["out"] is not None and len(c["out"][0]) == 6 for c in plan.calls.get("", {}).values()), plan.calls
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt, plan=plan)
+    got = _train(model, opt, loss, batch, 2, shard=True)
+    want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), loss, batch, 2, shard=False)
+    assert got == pytest.approx(want, rel=1e-5)

@@ -76,3 +76,18 @@ def test_a_tensor_tiled_on_some_dims_or_over_every_axis_is_sent_by_shards():
                    "and tiny-gns plans on {batch:2, model:2, x:2}); backends/xla.py moves such a tensor whole first")
 def test_a_tensor_tiled_on_every_dim_and_replicated_over_an_axis_is_sent_by_shards():
     assert _send_by_shards((8, 4), ("x", "batch"))
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="torch_xla 2.9 builds the sharding of a rank-6 tensor "
+                   "with repeated devices ('device 0 is not unique in tile assignment'); the backend leaves such "
+                   "tensors to GSPMD (`backends/xla.MAX_RANK`)")
+def test_a_rank_6_tensor_can_be_annotated():
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.Mesh(np.arange(8), (2, 4), ("batch", "model"))
+    z = torch.ones(4, 4, 4, 4, 4, 4).to(torch_xla.device()) * 2
+    xs.mark_sharding(z, mesh, ("batch",) + (None,) * 5)
+    torch_xla.sync()
+    assert z.sum().item() == 2 * 4 ** 6
