@@ -546,7 +546,7 @@ def shard_module(model: nn.Module, plan: ShardingPlan, mesh=None, *, lowerings: 
                 spec = plan.params.get(name) if i in names else plan.buffers.get(name)
                 _mark(t, mesh, _spec(spec, t.dim()))
         _install_hooks(model, record)
-        torch_xla.sync()  # materialize (and, from meta, initialize) the sharded parameters now
+        _materialize(moved.values())  # (and, from meta, initialize) the sharded parameters now
     except BaseException:
         _restore(model, record)
         raise
@@ -855,7 +855,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch
                     st[s] = _to_device(t, rec.mesh, spec if t.dim() else [])
             new.state[p] = st
     rec.optimizer = optimizer
-    torch_xla.sync()
+    _materialize(t for st in new.state.values() for t in st.values() if isinstance(t, torch.Tensor))
     return new
 
 
@@ -882,6 +882,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, batc
     optimizer.zero_grad(set_to_none=True)
     torch_xla.sync()
     return loss.detach()
+
+
+def _materialize(tensors) -> None:
+    """Compute these device tensors now, and nothing else the process has pending: after a user's step failed
+    to compile (its tensors hold a graph that cannot run), a global `torch_xla.sync()` fails on those
+    ("Check failed: tensor_data"), and a sharding applied next to them would fail with it."""
+    torch_xla, _, _ = _xla()
+    ts = [t for t in tensors if t.device.type == "xla"]
+    if ts:
+        torch_xla._XLAC._xla_sync_multi(ts, devices=[], wait=True)
 
 
 def sync() -> None:
