@@ -589,6 +589,14 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
 
         return hook
 
+    split = _batch_split_grouped_convs(model, plan)
+    if split:
+        log.warning("gathering the batch of %d grouped convolution(s) before each (%s): torch_xla 2.9 computes a "
+                    "grouped convolution's weight gradient wrongly when its batch is split (an all-gather and a "
+                    "replicated convolution that the plan does not cost; docs/apply.md)",
+                    len(split), ", ".join(split[:3]) + (", ..." if len(split) > 3 else ""))
+    for path in split:
+        rec.handles.append(model.get_submodule(path).register_forward_pre_hook(_whole_input(mesh)))
     for path, spec in plan.activations.items():  # module outputs and their gradients as the plan has them
         try:
             mod = model.get_submodule(path)
@@ -685,6 +693,30 @@ def grad_hook(mesh, spec: tuple, *, whole_first: bool = False) -> Callable[[torc
         return g
 
     return made_whole
+
+
+def _batch_split_grouped_convs(model: nn.Module, plan: ShardingPlan) -> list[str]:
+    """The grouped convolutions whose batch the plan splits (their output tiled on dim 0, as the plan has it;
+    or, not recorded, a batch input tiled). torch_xla 2.9's SPMD partitioner computes such a convolution's
+    weight gradient wrongly (tests/backends/test_xla_known_bugs.py), so the backend gathers its input."""
+    batch_split = any(spec and spec[0] is not None for spec in plan.inputs)
+    out = []
+    for path, m in model.named_modules():
+        if isinstance(m, nn.modules.conv._ConvNd) and m.groups > 1:
+            spec = plan.activations.get(path)
+            if (spec[0] is not None) if spec else batch_split:
+                out.append(path)
+    return out
+
+
+def _whole_input(mesh):
+    def hook(mod: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if isinstance(x, torch.Tensor) and x.device.type == "xla":
+            return (constrain(x, mesh, (None,) * x.dim(), None), *args[1:])
+        return None
+
+    return hook
 
 
 def _grouped_conv_weights(model: nn.Module) -> set[str]:

@@ -661,3 +661,23 @@ def test_auto_shard_computes_only_its_own_tensors_next_to_a_step_that_failed(mon
         del broken, opt
         gc.collect()
         torch_xla.sync()
+
+
+def test_a_grouped_convolution_with_a_split_batch_trains_like_unsharded(caplog):
+    """torch_xla 2.9 gets a grouped convolution's weight gradient wrong when its batch is split
+    (test_xla_known_bugs.py): under a data-parallel plan the backend gathers its input, says so, and the model
+    trains like unsharded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1, groups=4), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+    batch = (torch.randn(8, 3, 8, 8), torch.randint(0, 4, (8,)))
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
+        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
+                                             schedule="batch:BatchParallel")
+    assert any("grouped convolution" in r.getMessage() and "(2)" in r.getMessage() for r in caplog.records)
+    got = _train(model, opt, loss, batch, 3, shard=True)
+    want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
+    assert got == pytest.approx(want, rel=1e-5)

@@ -91,3 +91,25 @@ def test_a_rank_6_tensor_can_be_annotated():
     xs.mark_sharding(z, mesh, ("batch",) + (None,) * 5)
     torch_xla.sync()
     assert z.sum().item() == 2 * 4 ** 6
+
+
+@pytest.mark.xfail(strict=True, reason="torch_xla 2.9 SPMD computes a grouped convolution's weight gradient wrongly "
+                   "when its batch is split (a multiple of the true one); the backend gathers such a convolution's "
+                   "input (`backends/xla._batch_split_grouped_convs`)")
+def test_a_grouped_convolution_with_a_split_batch_has_the_right_weight_gradient():
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.Mesh(np.arange(8), (2, 4), ("batch", "model"))
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(16, 16, 3, padding=1, groups=2, bias=False)
+    x = torch.randn(4, 16, 8, 8)
+    conv(x).square().mean().backward()
+    ref, conv.weight.grad = conv.weight.grad, None
+    conv = conv.to(torch_xla.device())
+    xd = x.to(torch_xla.device())
+    xs.mark_sharding(xd, mesh, ("batch", None, None, None))
+    conv(xd).square().mean().backward()
+    torch_xla.sync()
+    torch.testing.assert_close(conv.weight.grad.cpu(), ref)
