@@ -713,7 +713,8 @@ def _whole_input(mesh):
     def hook(mod: nn.Module, args: tuple) -> tuple:
         x = args[0]
         if isinstance(x, torch.Tensor) and x.device.type == "xla":
-            return (constrain(x, mesh, (None,) * x.dim(), None), *args[1:])
+            with torch._C.DisableTorchFunction():  # not one of the model's calls (`CallConstraints` counts those)
+                return (constrain(x, mesh, (None,) * x.dim(), None), *args[1:])
         return None
 
     return hook
