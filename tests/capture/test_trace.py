@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -178,17 +179,6 @@ class _OldStyle(nn.Module):
         return self.down(_Gelu.apply(self.up(x)))
 
 
-def test_an_autograd_function_without_setup_context_is_differentiated_by_its_own_backward():
-    torch.manual_seed(0)
-    model, x, y = _OldStyle(), torch.randn(6, 4), torch.randn(6, 2)
-    p = capture(model, (x, y), _mse, None)
-    out = p.run(dict(model.named_parameters()), {}, (x, y))
-    _mse(model, x, y).backward()
-    for n, q in model.named_parameters():  # the Function's backward (its factor 2.0 included), not gelu's
-        torch.testing.assert_close(out[p.grads[n]], q.grad)
-    assert {op.module for op in p.ops if op.phase is Phase.BACKWARD and op.module} >= {"up", "down"}
-
-
 class _Square(torch.autograd.Function):
     """A Function with a vmap rule, called under `torch.vmap` in a forward (HF's mask functions run so):
     torch.func's functionalization has no rule for it, so capture takes the autograd path."""
@@ -218,11 +208,15 @@ class _Vmapped(nn.Module):
         return self.down(torch.vmap(_Square.apply)(self.up(x)))
 
 
-def test_an_autograd_function_under_vmap_in_the_forward_is_differentiated_by_its_own_backward():
+@pytest.mark.parametrize("make", [_OldStyle, _Vmapped], ids=["without_setup_context", "under_vmap"])
+def test_an_autograd_function_torch_func_refuses_is_differentiated_by_its_own_backward(make):
+    """An old-style Function (BLOOM's GeLU) or one under `vmap` (HF's mask functions): the capture
+    differentiates the step with autograd, which runs the Function's own backward (its factor 2.0 or 3.0)."""
     torch.manual_seed(0)
-    model, x, y = _Vmapped(), torch.randn(6, 4), torch.randn(6, 2)
+    model, x, y = make(), torch.randn(6, 4), torch.randn(6, 2)
     p = capture(model, (x, y), _mse, None)
     out = p.run(dict(model.named_parameters()), {}, (x, y))
     _mse(model, x, y).backward()
     for n, q in model.named_parameters():
         torch.testing.assert_close(out[p.grads[n]], q.grad)
+    assert {op.module for op in p.ops if op.phase is Phase.BACKWARD and op.module} >= {"up", "down"}
