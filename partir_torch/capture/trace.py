@@ -31,6 +31,7 @@ from partir_torch.capture.attribution import CallTracker, ForwardArgs, ModuleTra
 from partir_torch.capture.checks import check_dtypes, check_functional
 from partir_torch.capture.convert import to_program
 from partir_torch.capture.decomp import FUNCTIONAL_DECOMPS
+from partir_torch.capture.draws import ScalarDraws
 from partir_torch.capture.explain import data_dependent, explain
 from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
@@ -196,7 +197,8 @@ def capture(
             # (linear + pointwise per time step) is what other devices run and what the rules cover
             torch._C._set_mkldnn_enabled(False)
             by_autograd = bool(opaque) or old_function  # (read by `step`, as aot_autograd differentiates)
-            with ModelState(model), fx_traceback.preserve_node_meta(), tracker, CallTracker(tracker), \
+            draws = ScalarDraws()  # (under the call tracker: it numbers the draw as the engine meets it)
+            with ModelState(model), fx_traceback.preserve_node_meta(), tracker, draws, CallTracker(tracker), \
                     OpaqueModules(model, opaque, own_state, opaque_calls) as opaque_mods:
                 traced = (_functionalize_autograd(step) if by_autograd else
                           torch.func.functionalize(step, remove="mutations"))
@@ -220,6 +222,11 @@ def capture(
             for mod, kind, n, obj in saved:
                 getattr(mod, kind)[n] = obj
     check_functional(gm)
+    for where, p in dict(draws.skipping).items():
+        warnings.warn(f"capture: the one-element torch.rand at {where} is compared with {p:g} (a LayerDrop-style "
+                      "skip): the plan is made for the step that keeps every layer (the draw taken as 1.0); a step "
+                      "that skips a layer runs a program the plan did not cost, compiled on its own. Set the drop "
+                      "probability to 0 to train the planned step on every step", stacklevel=2)
     for line in opaque_mods.summary():
         warnings.warn(f"capture (fallback): data-dependent shapes in {line}; it runs replicated on every device "
                       "(no sharding inside it, its FLOPs charged to each device, its inputs gathered first)",

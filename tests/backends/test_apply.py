@@ -681,3 +681,41 @@ def test_a_grouped_convolution_with_a_split_batch_trains_like_unsharded(caplog):
     got = _train(model, opt, loss, batch, 3, shard=True)
     want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
     assert got == pytest.approx(want, rel=1e-5)
+
+
+class Residuals(nn.Module):
+    """Residual blocks each skipped in training mode when a scalar draw falls below `skip` (LayerDrop's
+    decision, as HF BART, Whisper and wav2vec2 make it in their own forward)."""
+
+    def __init__(self, skip: float, d: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(),
+                                                  nn.Linear(4 * d, d)) for _ in range(2))
+        self.head = nn.Linear(d, 4)
+        self.skip = skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.training and torch.rand([]) < self.skip:
+                continue
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_a_model_that_draws_to_skip_its_layers_trains_in_training_mode_like_unsharded(caplog):
+    """The capture takes the draw as keeping every block (`capture/draws.py`); the engine meets the same
+    calls (the draws and comparisons numbered as at capture: no module loses its constraints)."""
+    torch.manual_seed(0)
+    model = Residuals(skip=0.0).train()
+    batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8, 6)))
+    loss = lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())  # noqa: E731
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
+        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
+                                             schedule="batch:BatchParallel;model:Megatron")
+        got = _train(model, opt, loss, batch, 3, shard=True)
+    assert model.training and model.partir_plan.calls
+    assert not [r for r in caplog.records if "another path" in r.getMessage()]
+    want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
+    assert got == pytest.approx(want, rel=1e-5)

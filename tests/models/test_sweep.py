@@ -2,7 +2,7 @@
 simulator, with an explicit, regenerable list of known failures.
 
 CI runs `CI_SUBSET`, one architecture per family of constructs (dropout, rotary/GQA attention, vmapped mask
-functions, relative position buckets, SDPA masks through `assume_compiling`, LayerDrop through eval mode,
+functions, relative position buckets, SDPA masks through `assume_compiling`, LayerDrop's draw in training mode,
 BatchNorm, windows and rolls, stochastic depth, a known failure); `PARTIR_SWEEP=full pytest
 tests/models/test_sweep.py` runs all of them, as `benchmarks/models.py` does (which also rewrites
 `KNOWN_FAILURES` below and docs/models.md).
