@@ -55,7 +55,7 @@ class ScalarDraws(TorchFunctionMode):
             a, b = args
             for t, other in ((a, b), (b, a)):
                 if isinstance(t, torch.Tensor) and id(t) in self.draws and isinstance(other, int | float) \
-                        and 0 < other:
+                        and other > 0:
                     self.skipping.append((self.draws[id(t)], float(other)))
         return func(*args, **kwargs)
 
