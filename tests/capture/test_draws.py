@@ -62,3 +62,25 @@ def test_the_draw_keeps_its_shape_and_dtype_and_other_draws_stay_random():
     assert row.shape == (1,) and float(row) == 1.0
     assert many.shape == (2, 3) and bool((many < 1).all())  # (a real draw: below 1 everywhere)
     assert draws.skipping == []
+
+
+class Clamped(nn.Module):
+    """A training-only branch on a tensor's value that is not a draw: still the capture's error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.training and y.abs().max() > 10:
+            y = y.clamp(-10, 10)
+        return y
+
+
+def test_a_training_only_branch_on_values_says_to_capture_in_eval_mode():
+    from partir_torch.errors import CaptureError
+
+    with pytest.raises(CaptureError, match=r"test_draws\.py:\d+ .*only in training mode: capture the model in eval mode"):
+        capture(Clamped().train(), (torch.randn(4, 8),), _loss, "sgd")
+    capture(Clamped().eval(), (torch.randn(4, 8),), _loss, "sgd")
