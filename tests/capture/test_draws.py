@@ -81,6 +81,6 @@ class Clamped(nn.Module):
 def test_a_training_only_branch_on_values_says_to_capture_in_eval_mode():
     from partir_torch.errors import CaptureError
 
-    with pytest.raises(CaptureError, match=r"test_draws\.py:\d+ .*only in training mode: capture the model in eval mode"):
+    with pytest.raises(CaptureError, match=r"test_draws\.py:\d+ .*only in training mode: capture the model in eval"):
         capture(Clamped().train(), (torch.randn(4, 8),), _loss, "sgd")
     capture(Clamped().eval(), (torch.randn(4, 8),), _loss, "sgd")
