@@ -351,8 +351,8 @@ class CallConstraints:
         if c is not None and not other and c["ins"] and not _mutates(func, kwargs):
             args, kwargs = self._inputs(c["ins"], args, kwargs)
         out = impl(*args, **kwargs)
-        if not returns_tensor(out):
-            return out
+        if not returns_tensor(out) or (other and _moved(args, kwargs, out)):
+            return out  # (a move to the device the capture never made is none of its calls)
         self.counts[path] = k + 1
         if other:
             self._stray(path, k, f"is {call_name(func)}() where the capture had {c['fn']}()")
@@ -385,6 +385,18 @@ class CallConstraints:
 
 
 _DOTS = {"mm", "addmm", "bmm", "baddbmm"}  # rules of the ops GSPMD's dot partitioner takes
+
+
+def _moved(args: tuple, kwargs: dict[str, Any], out: Any) -> bool:
+    """Whether a call moved tensors to another device. The capture runs on one device: a model that moves a
+    host tensor it keeps as a plain attribute only when the devices differ (HF CodeGen's sinusoid table,
+    `if t.device != x.device: self.t = t.to(x.device)`) makes that call on the engine's first forward and
+    never at capture, so where the plan's call of that number is another function, the move is not
+    counted (a move the capture also made, a no-op there, is one of its calls: `.to(x.device)` of a host
+    constant)."""
+    given = {t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    return bool(given) and bool(made) and all(t.device not in given for t in made)
 
 
 def reduce_in_place(summed: dict, spec: list, axes: tuple[str, ...]) -> bool:

@@ -719,3 +719,39 @@ def test_a_model_that_draws_to_skip_its_layers_trains_in_training_mode_like_unsh
     assert not [r for r in caplog.records if "another path" in r.getMessage()]
     want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
     assert got == pytest.approx(want, rel=1e-5)
+
+
+class HostTable(nn.Module):
+    """Keeps a host table as a plain attribute and moves it to the input's device on its first forward
+    there, as HF CodeGen does its sinusoid table: a call on the engine that the capture never made."""
+
+    def __init__(self, d: int = 16, t: int = 6) -> None:
+        super().__init__()
+        self.table = torch.randn(t, d)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        if table.device != x.device:
+            table = table.to(x.device)
+            self.table = table
+        return self.head(torch.relu(self.mix(x * table)))
+
+
+def test_a_move_to_the_device_the_capture_never_made_keeps_the_module_s_calls(caplog):
+    torch.manual_seed(0)
+    model = HostTable()
+    batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8, 6)))
+    loss = lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())  # noqa: E731
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
+        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
+                                             schedule="batch:BatchParallel;model:Megatron")
+        assert model.partir_plan.calls.get("", {}).get("0", {}).get("fn") == "mul"  # (what the move meets)
+        got = _train(model, opt, loss, batch, 3, shard=True)
+    assert model.table.device.type == "xla"  # (the model moved it, on the engine's first forward)
+    assert not [r for r in caplog.records if "another path" in r.getMessage()]
+    want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
+    assert got == pytest.approx(want, rel=1e-5)
