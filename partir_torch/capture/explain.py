@@ -99,7 +99,7 @@ def _near(frame: traceback.FrameSummary | None) -> str:
 
 
 def _training_hint(frame: traceback.FrameSummary | None) -> str:
-    """A construct that only runs in training mode (LayerDrop's branch on torch.rand(), a training-only
+    """A construct that only runs in training mode (a training-only check on values, a training-only
     autograd.Function) is avoided by the library's own eval path."""
     if "self.training" not in _near(frame):
         return ""
