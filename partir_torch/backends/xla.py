@@ -64,7 +64,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from partir_torch.capture.attribution import call_name, returns_tensor
+from partir_torch.capture.attribution import Constants, call_name, returns_tensor
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
 from partir_torch.plan import ShardingPlan, divisibility
@@ -331,6 +331,7 @@ class CallConstraints:
         self.stack: list[str] = []
         self.counts: dict[str, int] = {}
         self.lost: set[str] = set()  # modules whose calls stopped matching the capture's (warned once)
+        self.constants = Constants()  # (tracked as the capture tracks them: their calls are not numbered)
 
     def push(self, mod: nn.Module, *_: Any) -> None:
         path = self.paths.get(id(mod))
@@ -345,6 +346,10 @@ class CallConstraints:
         if not self.stack:
             return impl(*args, **kwargs)
         path = self.stack[-1]
+        if self.constants.constant(args, kwargs):
+            out = impl(*args, **kwargs)
+            self.constants.add(out)
+            return out
         k = self.counts.get(path, 0)
         c = self.table.get(path, {}).get(k) if path not in self.lost else None
         other = c is not None and c.get("fn") and c["fn"] != call_name(func)  # (or a call that makes no tensor)

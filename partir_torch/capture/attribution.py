@@ -7,6 +7,7 @@ autograd sequence number, as aot_autograd does).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,6 +89,31 @@ def returns_tensor(out: Any) -> bool:
     return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
 
 
+class Constants:
+    """The tensors a model's forward makes from no tensor of its own: factory calls (`torch.arange`,
+    `torch.tensor`) and calls on their results only (a relative-position index, a causal mask). Such calls
+    are not numbered (`constant`): a model may cache their result and skip them on later forwards (HF
+    BEiT's `lru_cache`d index: made on the engine's first step only, while the capture, which empties
+    caches it filled, always makes it), and the plan has nothing to move in them (each device computes
+    them). Capture and engine track them alike, per forward call of the model and across calls."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, weakref.ref] = {}
+
+    def _known(self, t: torch.Tensor) -> bool:
+        r = self.refs.get(id(t))
+        return r is not None and r() is t
+
+    def constant(self, args: tuple, kwargs: dict[str, Any] | None) -> bool:
+        """Whether a call on these arguments is a constant one (every tensor among them a constant)."""
+        return all(self._known(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+
+    def add(self, out: Any) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.refs[id(t)] = weakref.ref(t)
+
+
 def call_name(func: Any) -> str:
     """How a torch-function call is named in a plan (`F.linear` -> "linear", `Tensor.__mul__` -> "__mul__"): the
     capture and a backend's mode see the same function objects, so a backend can check it meets the call the
@@ -124,6 +150,7 @@ class CallTracker(TorchFunctionMode):
         self.tracker = tracker
         self.counts: dict[str, int] = {}
         self.root: Any = None  # the model call being counted (its tracker entry): a new call counts from zero
+        self.constants = Constants()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         stack = self.tracker.stack
@@ -133,6 +160,10 @@ class CallTracker(TorchFunctionMode):
             self.root = stack[0]
             self.counts.clear()
         path = stack[-1][0]
+        if self.constants.constant(args, kwargs):  # (not numbered: each device makes it, maybe only once)
+            out = func(*args, **(kwargs or {}))
+            self.constants.add(out)
+            return out
         k = self.counts.get(path, 0)
         meta = fx_traceback.current_meta
         before = meta.get("custom")

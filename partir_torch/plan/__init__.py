@@ -129,7 +129,8 @@ def specs(state: ShardingState) -> PlanSpecs:
     )
 
 
-FORMAT = 2  # the version of the saved plan's JSON; `load` refuses other versions (2: `calls` outs)
+FORMAT = 3  # the version of the saved plan's JSON; `load` refuses other versions (2: `calls` outs; 3: calls
+# on constants are not numbered, `capture.attribution.Constants`)
 
 
 class PlanMismatchError(PartirError):
