@@ -103,7 +103,9 @@ def _index_specs(op: Op, program: Program, x: int, indices: list) -> tuple[str, 
     bshape = max((len(program.values[v].shape) for v in idx_vals), default=0)
     hidden = _fresh(program, [x], 1 << 11)[0]  # indexed dims of x: factors of their own, replicated
     xl = [hidden[d] if d in pos else LETTERS[d] for d in range(xr)]
-    bl = _fresh(program, [op.outputs[0]], 1 << 10)[0][:bshape]
+    widest = max(idx_vals, key=lambda v: len(program.values[v].shape), default=None)
+    bl = _fresh(program, [widest], 1 << 10)[0] if widest is not None else ""  # the broadcast index's dims
+    # (from the widest index, not the result: `index_put`'s result is x, which may have fewer dims)
     if pos and pos == list(range(pos[0], pos[-1] + 1)):
         out = "".join(xl[: pos[0]]) + bl + "".join(xl[pos[-1] + 1:])
     else:

@@ -4,6 +4,7 @@ unsharded, meta models materialized sharded, nothing changed when it fails, `uns
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import logging
 
@@ -521,9 +522,10 @@ class Scaled(nn.Module):
 
 
 def test_a_host_constant_made_in_forward_is_left_on_the_host():
-    """The capture holds `torch.tensor(...)` as an activation of the step, so the plan may constrain its call;
-    on the device it is a host tensor that the engine moves itself: it is left alone, and training equals
-    unsharded."""
+    """The capture holds `torch.tensor(...)` as an activation of the step; on the device it is a host tensor
+    that the engine moves itself. A constant's call has no number (`capture.attribution.Constants`), so
+    the plan cannot constrain it; the call that mixes it with the model's tensors is numbered, and training
+    equals unsharded."""
     torch.manual_seed(0)
     net, x = Scaled(), torch.randn(8, 16)
 
@@ -531,7 +533,8 @@ def test_a_host_constant_made_in_forward_is_left_on_the_host():
         return m(x).square().mean()
 
     plan = search(net, (x,), MESH, loss_fn=loss, optimizer="sgd", schedule="batch:BatchParallel")
-    assert plan.calls[""]["0"]["out"][0] == []  # the constant's call
+    assert plan.calls[""] and all(c.get("fn") != "tensor" for c in plan.calls[""].values())
+    assert plan.calls[""]["0"]["fn"] == "mul"  # (the first call of the root's own forward that is not constant)
     ref = copy.deepcopy(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     net, opt = partir_torch.auto_shard(net, (x,), MESH, loss_fn=loss, optimizer=opt, plan=plan)
@@ -752,6 +755,50 @@ def test_a_move_to_the_device_the_capture_never_made_keeps_the_module_s_calls(ca
         assert model.partir_plan.calls.get("", {}).get("0", {}).get("fn") == "mul"  # (what the move meets)
         got = _train(model, opt, loss, batch, 3, shard=True)
     assert model.table.device.type == "xla"  # (the model moved it, on the engine's first forward)
+    assert not [r for r in caplog.records if "another path" in r.getMessage()]
+    want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+@functools.lru_cache(maxsize=4)
+def _relative_index(n: int, device: torch.device) -> torch.Tensor:
+    pos = torch.arange(n, device=device)
+    return pos[:, None] - pos[None, :] + n - 1
+
+
+class RelativeBias(nn.Module):
+    """Attention with a relative-position bias whose index is cached per size and device, as HF BEiT caches
+    its own: made on the engine's first forward only (the capture empties the caches it fills)."""
+
+    def __init__(self, n: int = 6, d: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.bias = nn.Parameter(torch.randn(2 * n - 1) * 0.1)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        bias = self.bias[_relative_index(x.shape[1], x.device)]
+        att = torch.softmax(h @ h.transpose(1, 2) / 4 + bias, dim=-1)
+        return self.head(att @ h)
+
+
+def test_a_constant_the_model_caches_after_its_first_step_keeps_the_module_s_calls(caplog):
+    """Calls on constants only are not numbered (`capture.attribution.Constants`), at capture and on the
+    engine: the index made on the first step and read from the cache on the next leaves the calls after it
+    where the plan has them."""
+    torch.manual_seed(0)
+    model = RelativeBias()
+    batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8, 6)))
+    loss = lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())  # noqa: E731
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
+        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
+                                             schedule="batch:BatchParallel;model:Megatron")
+        assert any(int(k) > 0 for k in model.partir_plan.calls.get("", {}))  # (root calls after the index)
+        got = _train(model, opt, loss, batch, 3, shard=True)
+    assert _relative_index.cache_info().currsize == 1  # (the engine's: made once, then read from the cache)
     assert not [r for r in caplog.records if "another path" in r.getMessage()]
     want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
     assert got == pytest.approx(want, rel=1e-5)

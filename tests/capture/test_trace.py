@@ -93,6 +93,23 @@ def test_calls_inside_a_module_s_own_forward_are_numbered_as_a_backend_meets_the
     assert len(fwd) > 3  # the assignment's ops, numbered as no call
 
 
+def test_calls_on_constants_only_are_not_numbered():
+    """A factory call and the calls on its results only (a causal mask, a position index) make constants:
+    the model may cache them and skip those calls on later forwards, so they get no number; the first call
+    that mixes a constant with the model's own tensors does (`capture.attribution.Constants`)."""
+
+    class Causal(nn.Module):
+        def forward(self, x):
+            n = x.shape[1]
+            mask = torch.ones(n, n).tril() == 0  # constants: no number
+            return (x @ x.transpose(1, 2)).masked_fill(mask, 0.0).sum(-1)
+
+    p = capture(Causal(), (torch.randn(2, 5, 3, requires_grad=True),), lambda m, x: m(x).sum(), "sgd")
+    fwd = [(op.target, op.call) for op in p.ops if op.phase is Phase.FORWARD and op.module == ""]
+    assert {t for t, k in fwd if k is None} >= {"aten.tril.default", "aten.eq.Scalar"}
+    assert next((t, k) for t, k in fwd if k is not None) == ("aten.transpose.int", 0)  # (the first on the input)
+
+
 def test_program_is_flat_and_json_summary(tiny):
     model, inputs, loss_fn = tiny
     p = capture(model, inputs, loss_fn, "adamw")

@@ -198,6 +198,20 @@ def test_gather_scatter_and_advanced_indexing(data):
 
 @SETTINGS
 @given(st.data())
+def test_a_table_read_by_an_index_of_more_dims(data):
+    """A 1-D table read by a 2-D index (a relative-position bias, `bias[index]`): the backward's index_put
+    writes through an index with more dims than the table it writes into."""
+    pos = torch.arange(4)
+    rel = pos[:, None] - pos[None, :] + 3  # [4, 4], into a table of 7
+
+    def f(s, x):
+        h = x @ s.w  # [4, 8]
+        return h @ h.transpose(0, 1) + s.t[rel]
+    check(Lambda(f, w=r(8, 8), t=r(7)), (r(4, 8),), data)
+
+
+@SETTINGS
+@given(st.data())
 def test_integer_and_boolean_mask_ops(data):
     def f(s, x, ids):
         pos = torch.arange(x.shape[1]).unsqueeze(0).expand_as(ids)  # position ids
