@@ -64,7 +64,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from partir_torch.capture.attribution import Constants, call_name, returns_tensor
+from partir_torch.capture.attribution import Constants, call_name, counted
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
 from partir_torch.plan import ShardingPlan, divisibility
@@ -304,6 +304,8 @@ class Lowerings(TorchFunctionMode):
         self.depth -= 1
         if self.active and self.depth == 0:
             self.__exit__(None, None, None)
+            if self.calls is not None:
+                self.calls.finish()
             if self._is_compiling is not None:
                 torch.compiler.is_compiling, self._is_compiling = self._is_compiling, None
 
@@ -331,6 +333,7 @@ class CallConstraints:
         self.stack: list[str] = []
         self.counts: dict[str, int] = {}
         self.lost: set[str] = set()  # modules whose calls stopped matching the capture's (warned once)
+        self.short: set[str] = set()  # modules that ended a forward before their last constrained call (warned)
         self.constants = Constants()  # (tracked as the capture tracks them: their calls are not numbered)
 
     def push(self, mod: nn.Module, *_: Any) -> None:
@@ -356,7 +359,7 @@ class CallConstraints:
         if c is not None and not other and c["ins"] and not _mutates(func, kwargs):
             args, kwargs = self._inputs(c["ins"], args, kwargs)
         out = impl(*args, **kwargs)
-        if not returns_tensor(out) or (other and _moved(args, kwargs, out)):
+        if not counted(func, out) or (other and _moved(args, kwargs, out)):
             return out  # (a move to the device the capture never made is none of its calls)
         self.counts[path] = k + 1
         if other:
@@ -377,6 +380,18 @@ class CallConstraints:
             out = constrain(out, self.mesh, _spec(reduced, len(reduced)),
                             _spec(grad, len(grad)) if grad is not None else None)
         return constrain(out, self.mesh, _spec(spec, len(spec)), _spec(spec, len(spec)))
+
+    def finish(self) -> None:
+        """At the end of the model's forward: a module that made fewer calls than the plan constrains (the
+        capture numbered calls this forward did not make) had its later constraints silently unmet; say so,
+        once per module (a module skipped on this step, as LayerDrop skips layers, is one of them)."""
+        for path, entries in self.table.items():
+            n = self.counts.get(path, 0)
+            if entries and path not in self.lost and path not in self.short and n <= max(entries):
+                self.short.add(path)
+                log.warning("module %r made %d calls in this forward where the plan constrains its call %d: its "
+                            "constraints from call %d on were not applied (the forward takes another path than at "
+                            "capture, or skipped the module)", path, n, max(entries), n)
 
     def _stray(self, path: str, k: int, what: str) -> None:
         self.lost.add(path)

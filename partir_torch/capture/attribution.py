@@ -89,6 +89,15 @@ def returns_tensor(out: Any) -> bool:
     return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
 
 
+def counted(func: Any, out: Any) -> bool:
+    """Whether a torch-function call is one of a module's numbered calls: it made a tensor
+    (`returns_tensor`) through torch's Python API, not an operator itself (`torch.ops.aten.*`). Tracing runs
+    some code's ops through torch functions as operators that eagerly run unseen (a `@torch.jit.script`
+    function's, HF DeBERTa-v2's scale; torch's own on the autograd path): counted at capture only, they
+    would shift every later call of the module on the engine."""
+    return returns_tensor(out) and not isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
+
+
 class Constants:
     """The tensors a model's forward makes from no tensor of its own: factory calls (`torch.arange`,
     `torch.tensor`) and calls on their results only (a relative-position index, a causal mask). Such calls
@@ -176,7 +185,7 @@ class CallTracker(TorchFunctionMode):
                 meta.pop("custom", None)
             else:
                 meta["custom"] = before
-        if returns_tensor(out):
+        if counted(func, out):
             self.counts[path] = k + 1
             if isinstance(out, torch.Tensor):
                 stamp.shape = tuple(out.shape)

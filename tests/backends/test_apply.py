@@ -802,3 +802,40 @@ def test_a_constant_the_model_caches_after_its_first_step_keeps_the_module_s_cal
     assert not [r for r in caplog.records if "another path" in r.getMessage()]
     want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
     assert got == pytest.approx(want, rel=1e-5)
+
+
+@torch.jit.script
+def _scale(x: torch.Tensor, factor: int) -> torch.Tensor:
+    return torch.sqrt(torch.tensor(x.size(-1), dtype=torch.float) * factor)
+
+
+class ScriptedScale(nn.Module):
+    """Attention scaled by a TorchScript function, as HF DeBERTa-v2 scales its scores: tracing runs the
+    function's ops through torch functions as operators, eagerly its interpreter runs them unseen."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        att = torch.softmax(h @ h.transpose(1, 2) / _scale(h, 2).to(dtype=h.dtype), dim=-1)
+        return self.head(att @ h)
+
+
+def test_a_torchscript_function_s_ops_are_none_of_the_module_s_calls(caplog):
+    torch.manual_seed(0)
+    model = ScriptedScale()
+    batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8, 6)))
+    loss = lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())  # noqa: E731
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
+        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
+                                             schedule="batch:BatchParallel;model:Megatron")
+        assert len(model.partir_plan.calls.get("", {})) >= 3  # (root calls after the scale)
+        got = _train(model, opt, loss, batch, 3, shard=True)
+    assert not [r for r in caplog.records if "another path" in r.getMessage()]
+    want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
+    assert got == pytest.approx(want, rel=1e-5)
