@@ -197,7 +197,7 @@ def capture(
             # (linear + pointwise per time step) is what other devices run and what the rules cover
             torch._C._set_mkldnn_enabled(False)
             by_autograd = bool(opaque) or old_function  # (read by `step`, as aot_autograd differentiates)
-            draws = ScalarDraws()  # (under the call tracker: it numbers the draw as the engine meets it)
+            draws = ScalarDraws()  # (a draw is a constant: `Constants` numbers none of its calls)
             with ModelState(model), fx_traceback.preserve_node_meta(), tracker, draws, CallTracker(tracker), \
                     OpaqueModules(model, opaque, own_state, opaque_calls) as opaque_mods:
                 traced = (_functionalize_autograd(step) if by_autograd else

@@ -707,7 +707,7 @@ class Residuals(nn.Module):
 
 def test_a_model_that_draws_to_skip_its_layers_trains_in_training_mode_like_unsharded(caplog):
     """The capture takes the draw as keeping every block (`capture/draws.py`); the engine meets the same
-    calls (the draws and comparisons numbered as at capture: no module loses its constraints)."""
+    calls (the draws and comparisons are constants, numbered by neither: no module loses its constraints)."""
     torch.manual_seed(0)
     model = Residuals(skip=0.0).train()
     batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8, 6)))
