@@ -330,6 +330,7 @@ class CallConstraints:
         self.mesh, self.axes = mesh, axes
         self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
         self.table = {path: {int(k): c for k, c in cs.items()} for path, cs in calls.items()}
+        self.last = {path: max(cs) for path, cs in self.table.items() if cs}  # each module's last constrained call
         self.stack: list[str] = []
         self.counts: dict[str, int] = {}
         self.lost: set[str] = set()  # modules whose calls stopped matching the capture's (warned once)
@@ -385,13 +386,13 @@ class CallConstraints:
         """At the end of the model's forward: a module that made fewer calls than the plan constrains (the
         capture numbered calls this forward did not make) had its later constraints silently unmet; say so,
         once per module (a module skipped on this step, as LayerDrop skips layers, is one of them)."""
-        for path, entries in self.table.items():
+        for path, last in self.last.items():
             n = self.counts.get(path, 0)
-            if entries and path not in self.lost and path not in self.short and n <= max(entries):
+            if n <= last and path not in self.lost and path not in self.short:
                 self.short.add(path)
                 log.warning("module %r made %d calls in this forward where the plan constrains its call %d: its "
                             "constraints from call %d on were not applied (the forward takes another path than at "
-                            "capture, or skipped the module)", path, n, max(entries), n)
+                            "capture, or skipped the module)", path, n, last, n)
 
     def _stray(self, path: str, k: int, what: str) -> None:
         self.lost.add(path)

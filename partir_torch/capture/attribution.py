@@ -7,6 +7,7 @@ autograd sequence number, as aot_autograd does).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -120,7 +121,12 @@ class Constants:
     def add(self, out: Any) -> None:
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.refs[id(t)] = weakref.ref(t)
+                self.refs[id(t)] = weakref.ref(t, functools.partial(self._drop, id(t)))
+
+    def _drop(self, key: int, ref: weakref.ref) -> None:
+        """A constant is gone: its entry goes too (a mask made every step would otherwise add one per step)."""
+        if self.refs.get(key) is ref:
+            del self.refs[key]
 
 
 def call_name(func: Any) -> str:

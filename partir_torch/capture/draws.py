@@ -5,8 +5,8 @@ layer when the draw is below its drop probability: Python control flow on a tens
 shapes-only trace cannot follow, even when the probability is 0 (the configs' default). Under `ScalarDraws`
 such a draw is a known constant, its upper bound 1.0, so every comparison of the kind keeps the layer: the
 captured step is the whole model, the one every step runs when the probability is 0. A draw compared with
-a positive probability is reported (`skipping`): the engine then skips layers on some steps, which run
-without those layers' constraints and compile a program of their own.
+a positive probability is reported (`skipping`): the engine then skips layers on some steps, which run a
+program the plan did not cost and compile one of their own.
 """
 
 from __future__ import annotations

@@ -110,6 +110,24 @@ def test_calls_on_constants_only_are_not_numbered():
     assert next((t, k) for t, k in fwd if k is not None) == ("aten.transpose.int", 0)  # (the first on the input)
 
 
+def test_constants_are_forgotten_when_they_are_gone():
+    """The engine tracks constants over every step: a mask made each step must not leave an entry behind."""
+    import gc
+
+    from partir_torch.capture.attribution import Constants
+
+    consts, kept = Constants(), []
+    for i in range(50):
+        t = torch.ones(3, 3).tril()
+        consts.add(t)
+        if i % 10 == 0:
+            kept.append(t)
+    del t
+    gc.collect()
+    assert len(consts.refs) == len(kept) and all(consts.constant((k,), None) for k in kept)
+    assert not consts.constant((torch.ones(3),), None)  # (a tensor it never made)
+
+
 def test_program_is_flat_and_json_summary(tiny):
     model, inputs, loss_fn = tiny
     p = capture(model, inputs, loss_fn, "adamw")
