@@ -686,6 +686,26 @@ def test_a_grouped_convolution_with_a_split_batch_trains_like_unsharded(caplog):
     assert got == pytest.approx(want, rel=1e-5)
 
 
+def _keeps_every_call(model: nn.Module, caplog, check=None) -> nn.Module:
+    """`auto_shard` `model` on MESH (batch-parallel and Megatron) and train 3 SGD steps: no module's calls
+    stray from the capture's or stop short of the plan's, and the losses are the unsharded ones. `check`
+    looks at the sharded model before training."""
+    batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8, 6)))
+    loss = lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())  # noqa: E731
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
+        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
+                                             schedule="batch:BatchParallel;model:Megatron")
+        if check is not None:
+            check(model)
+        got = _train(model, opt, loss, batch, 3, shard=True)
+    assert not [r for r in caplog.records if "another path" in r.getMessage()]
+    want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
+    assert got == pytest.approx(want, rel=1e-5)
+    return model
+
+
 class Residuals(nn.Module):
     """Residual blocks each skipped in training mode when a scalar draw falls below `skip` (LayerDrop's
     decision, as HF BART, Whisper and wav2vec2 make it in their own forward)."""
@@ -709,19 +729,8 @@ def test_a_model_that_draws_to_skip_its_layers_trains_in_training_mode_like_unsh
     """The capture takes the draw as keeping every block (`capture/draws.py`); the engine meets the same
     calls (the draws and comparisons are constants, numbered by neither: no module loses its constraints)."""
     torch.manual_seed(0)
-    model = Residuals(skip=0.0).train()
-    batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8, 6)))
-    loss = lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())  # noqa: E731
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
-        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
-                                             schedule="batch:BatchParallel;model:Megatron")
-        got = _train(model, opt, loss, batch, 3, shard=True)
+    model = _keeps_every_call(Residuals(skip=0.0).train(), caplog)
     assert model.training and model.partir_plan.calls
-    assert not [r for r in caplog.records if "another path" in r.getMessage()]
-    want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
-    assert got == pytest.approx(want, rel=1e-5)
 
 
 class HostTable(nn.Module):
@@ -744,20 +753,12 @@ class HostTable(nn.Module):
 
 def test_a_move_to_the_device_the_capture_never_made_keeps_the_module_s_calls(caplog):
     torch.manual_seed(0)
-    model = HostTable()
-    batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8, 6)))
-    loss = lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())  # noqa: E731
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
-        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
-                                             schedule="batch:BatchParallel;model:Megatron")
-        assert model.partir_plan.calls.get("", {}).get("0", {}).get("fn") == "mul"  # (what the move meets)
-        got = _train(model, opt, loss, batch, 3, shard=True)
+
+    def lands_on(model):  # (the plan's call the engine's first-forward move meets)
+        assert model.partir_plan.calls.get("", {}).get("0", {}).get("fn") == "mul"
+
+    model = _keeps_every_call(HostTable(), caplog, lands_on)
     assert model.table.device.type == "xla"  # (the model moved it, on the engine's first forward)
-    assert not [r for r in caplog.records if "another path" in r.getMessage()]
-    want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
-    assert got == pytest.approx(want, rel=1e-5)
 
 
 @functools.lru_cache(maxsize=4)
@@ -788,20 +789,13 @@ def test_a_constant_the_model_caches_after_its_first_step_keeps_the_module_s_cal
     engine: the index made on the first step and read from the cache on the next leaves the calls after it
     where the plan has them."""
     torch.manual_seed(0)
-    model = RelativeBias()
-    batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8, 6)))
-    loss = lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())  # noqa: E731
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
-        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
-                                             schedule="batch:BatchParallel;model:Megatron")
-        assert any(int(k) > 0 for k in model.partir_plan.calls.get("", {}))  # (root calls after the index)
-        got = _train(model, opt, loss, batch, 3, shard=True)
-    assert _relative_index.cache_info().currsize == 1  # (the engine's: made once, then read from the cache)
-    assert not [r for r in caplog.records if "another path" in r.getMessage()]
-    want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
-    assert got == pytest.approx(want, rel=1e-5)
+
+    def calls_after_the_index(model):
+        assert any(int(k) > 0 for k in model.partir_plan.calls.get("", {}))
+
+    _keeps_every_call(RelativeBias(), caplog, calls_after_the_index)
+    info = _relative_index.cache_info()  # (made once on the engine and once on the host, then read from the cache)
+    assert info.misses == info.currsize == 2 and info.hits >= 4
 
 
 @torch.jit.script
@@ -826,16 +820,8 @@ class ScriptedScale(nn.Module):
 
 def test_a_torchscript_function_s_ops_are_none_of_the_module_s_calls(caplog):
     torch.manual_seed(0)
-    model = ScriptedScale()
-    batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8, 6)))
-    loss = lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten())  # noqa: E731
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
-        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
-                                             schedule="batch:BatchParallel;model:Megatron")
-        assert len(model.partir_plan.calls.get("", {})) >= 3  # (root calls after the scale)
-        got = _train(model, opt, loss, batch, 3, shard=True)
-    assert not [r for r in caplog.records if "another path" in r.getMessage()]
-    want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.5), loss, batch, 3, shard=False)
-    assert got == pytest.approx(want, rel=1e-5)
+
+    def calls_after_the_scale(model):
+        assert len(model.partir_plan.calls.get("", {})) >= 3
+
+    _keeps_every_call(ScriptedScale(), caplog, calls_after_the_scale)
