@@ -85,6 +85,11 @@ def main() -> None:
                   f"{r['median_s']:.2f}", f"{r['peak_rss_gib']:.2f}", verdict)
     Console(width=140).print(t)
     machine = {"python": platform.python_version(), "cpus": __import__("os").cpu_count(), "node": platform.machine()}
+    path = Path(args.out)
+    if path.exists():  # a run of some models replaces their rows, in place, and keeps the others'
+        new = {r["model"]: r for r in rows}
+        old = json.loads(path.read_text()).get("results", [])
+        rows = [new.pop(r["model"], r) for r in old] + list(new.values())
     out = {"machine": machine, "repeat": args.repeat, "results": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
