@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from partir_torch.capture.explain import user_frame
+
 _COMPARE = {"lt", "le", "gt", "ge", "less", "less_equal", "greater", "greater_equal",
             "__lt__", "__le__", "__gt__", "__ge__"}  # (by name: `draw < p` arrives as TensorBase.lt)
 
@@ -61,9 +63,6 @@ class ScalarDraws(TorchFunctionMode):
 
 
 def _caller() -> str:
-    """The user's line that drew (the innermost frame outside torch and this package)."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        parts = frame.filename.replace("\\", "/").split("/")
-        if "torch" not in parts and "partir_torch" not in parts:
-            return f"{frame.filename}:{frame.lineno}"
-    return "?"
+    """The user's line that drew (`explain.user_frame`)."""
+    frame = user_frame(traceback.extract_stack())
+    return f"{frame.filename}:{frame.lineno}" if frame is not None else "?"

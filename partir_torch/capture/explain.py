@@ -21,12 +21,16 @@ def data_dependent(e: Exception) -> bool:
             or "data dependent" in text)
 
 
-def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
-    frames = traceback.extract_tb(e.__traceback__)
+def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost of `frames` in the user's code (outside torch and this package)."""
     for f in reversed(frames):
         if not f.filename.startswith(TORCH_DIR) and not f.filename.startswith(OUR_DIR):
             return f
     return None
+
+
+def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
+    return user_frame(traceback.extract_tb(e.__traceback__))
 
 
 def explain(e: Exception, tracker: ModuleTracker, inputs: tuple[torch.Tensor, ...]) -> CaptureError:
