@@ -76,7 +76,7 @@ def test_a_saved_plan_has_everything_to_apply_it_and_loads_back(tmp_path):
     model, inputs, plan = _tiny_plan("batch=2:dcn,model=4")
     plan.save(tmp_path / "p.json")
     d = json.loads((tmp_path / "p.json").read_text())
-    assert d["format"] == 3 and d["mesh"] == {"axes": {"batch": 2, "model": 4}, "dcn": ["batch"]}
+    assert d["format"] == 4 and d["mesh"] == {"axes": {"batch": 2, "model": 4}, "dcn": ["batch"]}
     assert d["hardware"] == "cpu-virtual" and d["schedule"] == "batch:BatchParallel;model:Megatron"
     assert d["optimizer"] == "adamw" and len(d["program_hash"]) == 16
     assert d["input_args"] == [0, None]  # tokens reach forward() as its first argument, targets do not
@@ -171,6 +171,28 @@ def test_a_module_output_that_is_a_pending_sum_is_constrained_as_its_reader_redu
     assert plan.activations["h.0.mlp"] == ["batch", None, None]
     rebuilt = ShardingPlan.from_json(json.loads(json.dumps({**plan.to_json(), "schedule": "searched: Auto"})))
     assert rebuilt.to_state(program).shard[out].partial == {"batch", "model"}  # rebuilt as it was searched
+
+
+@pytest.mark.parametrize("split, expected", [(("batch", "model"), ["model", None]), (("model",), [None, None])])
+def test_a_gradient_pending_over_every_axis_is_constrained_as_the_optimizer_reads_it(split, expected):
+    """Rows split over both axes make each weight gradient a sum over both, which a ZeRO optimizer on `model`
+    reads tiled: the gradient's constraint is that tiling. Rows split over
+    `model` alone leave `batch` idle: that sum keeps its dims (constrained tiled, GSPMD would reduce-scatter it
+    over the idle axis too and move tiles with collective-permutes)."""
+    from partir_torch.ir import Tile
+    from partir_torch.propagate import ShardingState
+    from partir_torch.tactics import ZeRO
+
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    program = capture(net, (torch.randn(64, 16),), lambda m, x: m(x).square().mean(), "adamw")
+    state = ShardingState(program, Mesh.parse("batch=2,model=4"))
+    for axis in split:
+        state.apply(Tile("inputs[0]", 0, axis))
+    state = ZeRO("model").apply(state)
+    grad = program.grads["0.weight"]
+    assert state.shard[grad].partial == set(split)
+    plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="manual")
+    assert plan.grads["0.weight"] == expected
 
 
 class _Skip(torch.nn.Module):

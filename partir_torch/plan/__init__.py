@@ -22,6 +22,7 @@ from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.sharding import divides, tile_count
 from partir_torch.plan.reads import (
     call_constraints,
+    grad_shardings,
     model_output,
     module_inputs,
     module_outputs,
@@ -39,7 +40,7 @@ class PlanSpecs:
     inputs: list[Spec]
     optimizer_state: dict[str, dict[str, Spec]]  # per parameter, per per-parameter state
     activations: dict[str, Spec] = field(default_factory=dict)  # module path -> spec of its output
-    grads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec of its gradient
+    grads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec its gradient is reduced to
     module_inputs: dict[str, list] = field(default_factory=dict)  # module path -> [input spec, its gradient's or None]
     param_reads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec its module's forward reads it in
     calls: dict[str, dict[str, dict]] = field(default_factory=dict)  # module path -> call number -> constraints
@@ -120,7 +121,7 @@ def specs(state: ShardingState) -> PlanSpecs:
                 for n, st in p.opt_states.items()}),
         {k.removesuffix("."): spec for path, sh in output_shardings(state).items()
          for k in full_names(path + ".", fold) for spec in [sh.to_spec()]},
-        expand({n: state.shard[v].to_spec() for n, v in p.grads.items()}),
+        expand({n: sh.to_spec() for n, sh in grad_shardings(state).items()}),
         {k.removesuffix("."): [need.to_spec(), grad.to_spec() if grad is not None else None]
          for path, (_, need, grad) in module_inputs(state).items() for k in full_names(path + ".", fold)},
         expand({n: need.to_spec() for n, need in param_reads(state).items()}),
@@ -129,8 +130,9 @@ def specs(state: ShardingState) -> PlanSpecs:
     )
 
 
-FORMAT = 3  # the version of the saved plan's JSON; `load` refuses other versions (2: `calls` outs; 3: calls
-# on constants are not numbered, `capture.attribution.Constants`)
+FORMAT = 4  # the version of the saved plan's JSON; `load` refuses other versions (2: `calls` outs; 3: calls
+# on constants are not numbered, `capture.attribution.Constants`; 4: a pending sum's gradient spec is where the
+# optimizer reads it, `reads.grad_shardings`)
 
 
 class PlanMismatchError(PartirError):
@@ -306,10 +308,12 @@ class ShardingPlan:
             wanted += [(f"gradient of {n}", p.grads.get(n), s) for n, s in self.grads.items()]
             wanted += [(f"output of module {m}", outs.get(m), s) for m, s in self.activations.items()]
             problems += [f"{what} is not in the captured program" for what, v, _ in wanted if v is None]
-            out_vals = set(outs.values())
+            out_vals, grad_vals = set(outs.values()), set(p.grads.values())
             for what, v, spec in wanted:
-                if v is not None and state.shard[v].partial and v in out_vals:
-                    continue  # a pending sum's spec is where its readers reduce it to (`reads.output_shardings`)
+                if v is not None and state.shard[v].partial and (v in out_vals or (v in grad_vals and any(
+                        a in state.shard[v].partial for e in spec if e for a in ([e] if isinstance(e, str) else e)))):
+                    continue  # a pending sum's spec is where its readers reduce it to (`reads.output_shardings`,
+                    # `reads.grad_shardings`)
                 for d, entry in enumerate(spec if v is not None else ()):
                     for axis in [] if entry is None else [entry] if isinstance(entry, str) else entry:
                         if axis in state.shard[v].dims[d]:

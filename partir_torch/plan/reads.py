@@ -73,6 +73,26 @@ def output_shardings(state: ShardingState) -> dict[str, Sharding]:
     return out
 
 
+def grad_shardings(state: ShardingState) -> dict[str, Sharding]:
+    """{parameter: the sharding a backend constrains its gradient to}: the gradient's sharding, or, for a
+    pending sum over every mesh axis its reader does not tile it on, the one sharding the optimizer reads it
+    in. Constrained as its dims alone such a sum is all-reduced over all its
+    axes and then sliced where the plan reduce-scatters over one and all-reduces a slice over the others (GNS's
+    edge weights, summed over edges tiled on `batch` and `model`). A sum with an idle axis keeps its dims:
+    constrained tiled, GSPMD reduce-scatters it over the idle axis too and moves the tiles with
+    collective-permutes the plan does not have (docs/apply.md, "idle-axis trick")."""
+    program, names = state.program, state.mesh.names
+    out: dict[str, Sharding] = {}
+    for n, v in program.grads.items():
+        sh = state.shard[v]
+        if sh.partial:
+            need = _read_as(state, v, set(program.users[v]))
+            if need is not None and all(a in sh.partial or a in need.axes for a in names):
+                sh = need
+        out[n] = sh
+    return out
+
+
 def module_inputs(state: ShardingState) -> dict[str, tuple[int, Sharding, Sharding | None]]:
     """{module path: (its input value, the sharding the module reads it in, the sharding of the gradient it
     sends back for it or None)} where the plan reshards a module's
