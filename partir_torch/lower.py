@@ -108,24 +108,30 @@ def transitions(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: 
     return out
 
 
-def fused(src: Sharding, dst: Sharding, steps) -> dict[str, int]:
+CONTRACTIONS = frozenset({"mm", "bmm", "addmm", "convolution", "convolution_backward"})  # rules XLA partitions
+# as dots: their sums reach the engine's dot handler, the others' its reduce or scatter handler (`fused`)
+
+
+def fused(src: Sharding, dst: Sharding, steps, reduction: bool = False) -> dict[str, int]:
     """{kind: bytes per device} of one reshard's `transitions` steps as an SPMD compiler (XLA) emits them:
     the reduction over several axes of one kind one collective over their devices (at its largest step's
-    bytes), the gathers off one dim one all-gather (its last step's output). A sum reduced to a tiling over
-    some of its axes (a reduce-scatter over `batch`, an all-reduce over `model`) stays two collectives.
-    What `verify` holds against the compiled HLO; the time model keeps the per-axis steps (the same bytes
-    cross the links either way)."""
+    bytes), the gathers off one dim one all-gather (its last step's output). A dot's sum reduced to a tiling
+    over some of its axes (a reduce-scatter over `model`, an all-reduce over `batch`) stays two collectives;
+    a sum made by a reduction (`reduction`: a `sum`, a `scatter_add`, a norm's parameter gradients) is one
+    all-reduce over all its axes, then sliced: GSPMD's reduce and scatter handlers reduce every partitioned
+    dim at once. What `verify` holds against the compiled HLO; the time model keeps the per-axis steps (the
+    same bytes cross the links either way)."""
     out: dict[str, int] = {}
     groups: dict[object, tuple[str, int]] = {}
     for kind, axis, nbytes in steps:
         if kind in ("reduce-scatter", "all-reduce"):
-            key: object = kind
+            key: object = "all-reduce" if reduction else kind
         elif kind == "all-gather":
             key = ("gather", src.dim_of(axis))
         else:
             out[kind] = out.get(kind, 0) + nbytes
             continue
-        first, most = groups.get(key, (kind, 0))
+        first, most = groups.get(key, ("all-reduce" if key == "all-reduce" else kind, 0))
         groups[key] = (first, max(most, nbytes))
     for kind, nbytes in groups.values():
         out[kind] = out.get(kind, 0) + nbytes
@@ -285,6 +291,18 @@ def end_reshards(state: ShardingState) -> list[tuple[int, Sharding, Sharding]]:
     if program.loss is not None:
         out.append((program.loss, shard[program.loss], Sharding.replicated(0)))
     return [c for c in out if c[1] != c[2]]
+
+
+def made_by_reduction(program, rules, relay: list[int]) -> list[bool]:
+    """Per value, whether it is (a re-layout of) the result of a reducing op that is not a contraction
+    (`CONTRACTIONS`): how the engine reduces it when it is a pending sum (`fused`)."""
+    out = []
+    for v in range(len(program.values)):
+        while relay[v] >= 0:
+            v = rules[relay[v]].operands[0].value
+        o = program.values[v].producer
+        out.append(o >= 0 and rules[o].name not in CONTRACTIONS and any(rules[o].reduced))
+    return out
 
 
 def relayouts(program, rules) -> list[int]:

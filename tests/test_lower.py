@@ -120,3 +120,20 @@ def test_gathers_off_one_dim_go_minor_axis_first_and_fuse_as_one():
     steps = transitions(summed, batch_rows, (64, 32), 4, mesh)
     assert {k for k, _, _ in steps} == {"reduce-scatter", "all-reduce"}
     assert fused(summed, batch_rows, steps) == {"reduce-scatter": FULL, "all-reduce": FULL // 2}
+    # ... unless a reduction (not a dot) made the sum: one all-reduce over both axes, then a slice
+    assert fused(summed, batch_rows, steps, reduction=True) == {"all-reduce": FULL}
+
+
+def test_sums_made_by_a_reduction_are_told_from_a_dot_s_through_their_relayouts():
+    """`made_by_reduction` follows views back to the op that made the value: a linear's weight gradient (a dot,
+    then transposed) is not, its bias's (a sum, then viewed) is; inputs and pointwise results are not."""
+    from partir_torch import capture
+    from partir_torch.analysis import Analysis
+    from partir_torch.lower import made_by_reduction, relayouts
+
+    net = torch.nn.Linear(8, 4)
+    program = capture(net, (torch.randn(16, 8),), lambda m, x: m(x).square().mean(), "sgd")
+    rules = Analysis.of(program, Mesh.parse("batch=2")).rules
+    red = made_by_reduction(program, rules, relayouts(program, rules))
+    assert not red[program.grads["weight"]] and red[program.grads["bias"]]
+    assert not any(red[v] for v in program.inputs)

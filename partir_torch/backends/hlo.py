@@ -118,6 +118,47 @@ def read_memory_breakdown(report_text: str) -> dict[str, int]:
     return out
 
 
+_ALIAS = re.compile(r"\{[\d,]*\}: \((\d+), \{[\d,]*\}")
+_PARAM = re.compile(r"^\s*%([\w.\-]+) = \S+ parameter\((\d+)\)", re.M)
+_COPY = re.compile(r"^\s*%([\w.\-]+) = \S+ copy\(%([\w.\-]+)\)", re.M)
+_PEAK_BUF = re.compile(r"^\s+([\w.\-]+)\{[\d,]*\}: (\d+) bytes", re.M)
+
+
+@dataclass(frozen=True)
+class DonatedCopies:
+    """XLA's copies of entry parameters that alias an output (buffers donated to an in-place update: the
+    parameters and optimizer states the step updates): `count` copies in the step, `peak_bytes` of them live
+    at the peak of its temporaries. Copy insertion makes them when it cannot prove the update may overwrite
+    the donated buffer in place; the step's reads then use the copy, held from the start of the step."""
+
+    count: int
+    donated: int  # entry parameters that alias an output
+    peak_bytes: int
+
+
+def read_donated_copies(hlo_text: str, assignment_text: str | None) -> DonatedCopies:
+    """`DonatedCopies` of the step's module and its buffer assignment (`*-buffer-assignment.txt`; without it,
+    `peak_bytes` is 0)."""
+    header = hlo_text.split("\n", 1)[0]
+    m = re.search(r"input_output_alias=\{(.*)\}", header)
+    donated = {int(i) for i in _ALIAS.findall(m.group(1))} if m else set()
+    entry = hlo_text[hlo_text.find("\nENTRY"):]
+    params = {name for name, idx in _PARAM.findall(entry) if int(idx) in donated}
+    copies = {name for name, src in _COPY.findall(entry) if src in params}
+    peak = 0
+    if assignment_text and copies:
+        at = assignment_text.find("(peak):")
+        if at >= 0:
+            block = assignment_text[at:].split("\n", 1)[1]
+            for line in block.splitlines():
+                hit = _PEAK_BUF.match(line)
+                if not hit:
+                    break
+                if hit.group(1) in copies:
+                    peak += int(hit.group(2))
+    return DonatedCopies(len(copies), len(donated), peak)
+
+
 def find_step_module(dump_dir: str | Path) -> tuple[Path, Path | None]:
     """The largest partitioned module in a dump (the training step), and its memory report."""
     files = sorted(Path(dump_dir).glob("*after_optimizations.txt"), key=lambda p: p.stat().st_size)

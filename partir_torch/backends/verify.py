@@ -36,7 +36,8 @@ KNOWN_CPU = {
 class VerifyReport:
     mesh: dict[str, int]
     predicted: dict[str, Any]  # comm_bytes {kind: bytes per device} (XLA CPU's form), peak_memory_bytes
-    measured: dict[str, Any]  # comm_bytes, peak_memory_bytes, collectives [{kind, axes, count, bytes}]
+    measured: dict[str, Any]  # comm_bytes, peak_memory_bytes, collectives [{kind, axes, count, bytes}],
+    # memory_breakdown, donated_copies {count, donated, peak_bytes} (`hlo.DonatedCopies`)
     unexpected_collectives: list[dict[str, Any]] = field(default_factory=list)
     known_deviations: list[dict[str, Any]] = field(default_factory=list)
     compile_s: float = 0.0
@@ -142,11 +143,18 @@ def compare(plan: ShardingPlan, step) -> VerifyReport:
                 unexpected.append(r)
     notes = ["XLA's CPU pipeline emits no reduce-scatter: predicted reduce-scatters are counted as all-reduces "
              "(an all-reduce and a slice on the CPU; docs/cost-model.md item 1)"] if "reduce-scatter" in by_axis else []
+    copies = getattr(step, "donated_copies", None)
+    if copies is not None and copies.count:
+        notes.append(f"XLA CPU copies {copies.count} of the {copies.donated} buffers the step updates in place "
+                     f"(parameters, optimizer states) at its start and reads the copies: "
+                     f"{format_bytes(copies.peak_bytes)} of its peak memory, which the cost model counts once "
+                     f"(copy insertion around the donated update; docs/cost-model.md item 5)")
     return VerifyReport(
         dict(plan.mesh),
         {"comm_bytes": dict(predicted), "peak_memory_bytes": plan.cost.get("peak_memory_bytes", 0)},
         {"comm_bytes": dict(measured), "peak_memory_bytes": step.memory_total, "collectives": rows,
-         "memory_breakdown": step.memory_breakdown},
+         "memory_breakdown": step.memory_breakdown,
+         "donated_copies": asdict(copies) if copies is not None else None},
         unexpected, known, step.compile_s, step.losses or [step.loss], step.reference_losses, step.max_abs_diff,
         step.max_rel_diff, notes, per_axis)
 

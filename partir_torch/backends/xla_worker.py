@@ -20,12 +20,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from partir_torch.backends.hlo import (
+    DonatedCopies,
     HloCollective,
     find_step_module,
     read_collectives,
+    read_donated_copies,
     read_memory_breakdown,
     read_memory_total,
 )
@@ -52,6 +55,7 @@ class XlaStep:
     max_abs_diff: float | None = None
     max_rel_diff: float | None = None
     state_shardings: dict[str, str] | None = None
+    donated_copies: DonatedCopies | None = None
 
 
 def run(plan: ShardingPlan, source: dict[str, Any], *, optimizer: str | None = None, steps: int = 1,
@@ -82,7 +86,16 @@ def run(plan: ShardingPlan, source: dict[str, Any], *, optimizer: str | None = N
                    read_memory_total(mem.read_text()) if mem else None, str(hlo), out["compile_s"],
                    out.get("params_after"), read_memory_breakdown(mem.read_text()) if mem else None,
                    out["losses"], out.get("reference_losses"), out.get("max_abs_diff"), out.get("max_rel_diff"),
-                   out.get("state_shardings"))
+                   out.get("state_shardings"), read_donated_copies(hlo.read_text(), _read(_assignment(hlo))))
+
+
+def _assignment(hlo: Path) -> Path:
+    """The buffer assignment XLA dumps beside a module's text."""
+    return hlo.with_name(hlo.name.replace("after_optimizations.txt", "after_optimizations-buffer-assignment.txt"))
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text() if path.exists() else None
 
 
 def run_step(model: str, mesh: Mesh, specs: PlanSpecs, *, overrides: dict[str, str] | None = None,

@@ -18,7 +18,7 @@ from partir_torch.cost.report import FLOP_TARGETS, KINDS, op_flops
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Phase, Role
 from partir_torch.ir.sharding import Sharding, local_dim
-from partir_torch.lower import Collective, fused, op_signatures, relayouts, reshard
+from partir_torch.lower import Collective, fused, made_by_reduction, op_signatures, relayouts, reshard
 from partir_torch.propagate import Changes, ShardingState
 from partir_torch.rules.tables import ATTENTION, VIEWS
 
@@ -103,9 +103,11 @@ class Static:
         need0 += [self.sid0[old] if old >= 0 else self.sid(Sharding.replicated(0)) for _, old in self.ends]
         self.need0 = np.array(need0, dtype=np.int64)
         self.nbytes_val = np.array([math.prod(v.shape) * v.dtype.itemsize for v in vals], dtype=np.int64)
-        kinds: dict[tuple, int] = {}
-        self.vkind = [kinds.setdefault((v.shape, v.dtype.itemsize), len(kinds)) for v in vals]
         self.relay = relayouts(program, rules)  # lower.dedup_key: a re-layout's reshard is its operand's
+        self.reduction = made_by_reduction(program, rules, self.relay)  # (`lower.fused`)
+        kinds: dict[tuple, int] = {}
+        self.vkind = [kinds.setdefault((v.shape, v.dtype.itemsize, r), len(kinds))
+                      for v, r in zip(vals, self.reduction)]
         self.relaid = np.array([o >= 0 for o in self.relay], dtype=bool)
 
         # memory: aliasing (views), last uses, fold weights, lifetimes; all independent of the sharding
@@ -324,7 +326,7 @@ class Memo:
             for k, j in new.items():
                 src, dst = st.sh_list[srcs[j]], st.sh_list[dsts[j]]
                 steps, s, d = reshard(state, vals[slots[j]], src, dst)
-                by_kind = fused(src, dst, steps)
+                by_kind = fused(src, dst, steps, st.reduction[vals[slots[j]]])
                 self.m_fused.append([by_kind.get(kind, 0) for kind in KINDS])
                 rows = [-1] * len(self.axes)  # by mesh axis (a reshard moves an axis at most once)
                 for kind, axis, nbytes in steps:

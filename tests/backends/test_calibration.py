@@ -41,6 +41,33 @@ allocation 3: size 512B, thread-local:
                                              "constant": 0}
 
 
+def test_hlo_reader_counts_the_copies_of_donated_buffers_live_at_the_peak():
+    """Only copies of entry parameters that alias an output count (`hlo.read_donated_copies`), and of them only
+    the bytes of those the buffer assignment lists live at its peak."""
+    from partir_torch.backends.hlo import read_donated_copies
+
+    text = """HloModule step, is_scheduled=true, input_output_alias={ {0}: (1, {}, may-alias), {1}: (2, {}, may-alias) }
+
+ENTRY %step (p0: f32[4], p1: f32[8], p2: f32[16]) -> (f32[8], f32[16]) {
+  %param = f32[4]{0} parameter(0)
+  %param.1 = f32[8]{0} parameter(1)
+  %param.2 = f32[16]{0} parameter(2)
+  %copy = f32[4]{0} copy(%param)
+  %copy.1 = f32[8]{0} copy(%param.1)
+  %copy.2 = f32[16]{0} copy(%param.2)
+  ROOT %t = (f32[8]{0}, f32[16]{0}) tuple(%copy.1, %copy.2)
+}
+"""
+    assignment = """Live ranges at 3 (peak):
+    copy{}: 16 bytes (cumulative: 16 bytes)
+    copy.1{}: 32 bytes (cumulative: 48 bytes)
+    fusion{}: 8 bytes (cumulative: 56 bytes)
+"""
+    got = read_donated_copies(text, assignment)
+    assert (got.count, got.donated, got.peak_bytes) == (2, 2, 32)  # `copy` is of a parameter not donated
+    assert read_donated_copies(text, None).peak_bytes == 0
+
+
 @pytest.mark.parametrize(
     ("model", "schedule", "expect"),
     [

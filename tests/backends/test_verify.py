@@ -135,7 +135,8 @@ def test_a_gradient_summed_over_every_axis_is_reduced_to_the_tiles_the_optimizer
     ZeRO optimizer reads tiled on `model`: the plan reduce-scatters it over `model` and all-reduces the tile
     over `batch`. Its gradient constrained to its dims alone (replicated), XLA all-reduced it over all eight
     devices and sliced it (all-reduce 0.80 of the prediction, none of it over `batch`, GNS's edge MLPs);
-    constrained as the optimizer reads it, XLA reduces it as planned."""
+    constrained as the optimizer reads it, XLA reduces it as planned. A bias's gradient, summed by a reduction
+    and not a dot, XLA reduces over both axes at once and slices, as the prediction has it."""
     from partir_torch import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.ir import Mesh, Tile
@@ -162,9 +163,14 @@ def test_a_gradient_summed_over_every_axis_is_reduced_to_the_tiles_the_optimizer
     assert j["unexpected_collectives"] == []
     measured = {tuple(c["axes"]): c["bytes"] for c in j["measured"]["collectives"] if c["kind"] == "all-reduce"}
     assert measured.get(("batch",)) == over_batch > 0, measured  # the weights' tiles, each reduced over `batch`
-    # (the biases' sums, made by a reduction and not a dot, XLA still reduces over both axes at once: 0.99)
-    assert j["ratios"]["all-reduce"] == pytest.approx(1.0, abs=0.02), j["ratios"]
+    # the biases' sums, made by a reduction and not a dot, XLA reduces over both axes at once, as `lower.fused`
+    # predicts (counted as the weights', the prediction was 0.99 of XLA's)
+    assert j["ratios"]["all-reduce"] == pytest.approx(1.0, abs=0.005), j["ratios"]
     assert j["max_rel_diff"] <= 1e-5
+    # XLA CPU's copies of the buffers the step updates in place, said by name: 4 parameters, and per parameter
+    # Adam's two moments and its step count
+    copies = j["measured"]["donated_copies"]
+    assert copies["donated"] == 16 and 0 < copies["count"] <= 16 and copies["peak_bytes"] > 0, copies
 
 
 class Vocab(nn.Module):
@@ -205,7 +211,7 @@ def test_the_model_s_output_is_resharded_where_the_plan_reads_it_for_the_loss():
 
 _DEVIATES = {  # what XLA CPU does on these searched plans that the model does not have yet (docs/apply.md)
     "tiny-gns": "XLA gathers 22.2 of the 33.1 KiB of MLP weights and activations the plan gathers over model, "
-                "and all-reduces the node MLPs' partial input gradients instead (all-gather 0.71, all-reduce 1.13; "
+                "and all-reduces the node MLPs' partial input gradients instead (all-gather 0.71, all-reduce 1.14; "
                 "memory 1.24 is within the bar)",
 }
 
