@@ -13,11 +13,14 @@ What `shard_module` does to the user's model, all of it undone by `unshard(model
    resolves conflicts its own way and runs another program than the one costed (docs/cost-model.md);
 3. a forward pre-hook on the root shards the batch tensors that reach `forward` (moving host tensors to
    the device), and checks their shapes against the plan's;
-4. while the root's forward runs, a `TorchFunctionMode` (`Lowerings`) runs `F.layer_norm` and `F.group_norm` as
-   reductions over the normalized dims and `F.scaled_dot_product_attention` as einsums over [B, H, T, d]:
-   torch_xla lowers the norms to batch-norm over a [1, B*T, D] (or [1, N*G, ...]) reshape and attention to
-   matmuls over a [B*H, T, d] reshape, and GSPMD loses the batch / head sharding in all three (the same
-   math, so the same numerics);
+4. while the root's forward runs, a `TorchFunctionMode` (`Lowerings`) runs `F.layer_norm`, `F.group_norm` and
+   `F.batch_norm` as reductions over the normalized dims and `F.scaled_dot_product_attention` as einsums over
+   [B, H, T, d]: torch_xla lowers the norms to XLA's batch-norm ops (over a [1, B*T, D] or [1, N*G, ...]
+   reshape for the first two) and attention to matmuls over a [B*H, T, d] reshape, and GSPMD gathers the
+   batch around the first and loses the batch / head sharding in the others (the same math, so the same
+   numerics); and grouped convolutions (and transposed ones) with their weight gradient as
+   one dot per kernel offset (`_GroupedConv`): given the autodiff's `batch_group_count` convolution with its
+   batch split, GSPMD all-reduces the partial sums over every device, not the batch axis alone;
 5. each module whose input the plan reshards on entry (`plan.module_inputs`: LayerNorm's input gathered,
    say) gets a forward pre-hook that constrains that input (and its gradient) the same way, so that
    GSPMD reshards there and not after the module.
@@ -49,6 +52,7 @@ the pinned pair.
 from __future__ import annotations
 
 import glob
+import itertools
 import logging
 import math
 import os
@@ -240,6 +244,58 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):  # (F.grou
     return y
 
 
+class _BatchNormTraining(torch.autograd.Function):
+    """Batch norm over the batch's statistics, with torch's backward: two reductions over the batch (the
+    gradient's sum and its sum against the normalized input), as `native_batch_norm_backward` and the plan
+    have them (autograd through the decomposed forward would make four)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        dims = [0, *range(2, x.dim())]
+        per_channel = (1, -1) + (1,) * (x.dim() - 2)
+        mean = x.mean(dims)
+        xc = x - mean.reshape(per_channel)
+        var = (xc * xc).mean(dims)
+        rstd = torch.rsqrt(var + eps)
+        xhat = xc * rstd.reshape(per_channel)
+        ctx.save_for_backward(xhat, rstd, weight)
+        ctx.has_bias = bias is not None
+        y = xhat if weight is None else xhat * weight.reshape(per_channel)
+        y = y if bias is None else y + bias.reshape(per_channel)
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    def backward(ctx, gy, _mean, _var):
+        xhat, rstd, weight = ctx.saved_tensors
+        dims = [0, *range(2, gy.dim())]
+        per_channel = (1, -1) + (1,) * (gy.dim() - 2)
+        n = gy.numel() // gy.shape[1]
+        sum_g, sum_gx = gy.sum(dims), (gy * xhat).sum(dims)
+        scale = rstd if weight is None else rstd * weight
+        mean_g, mean_gx = (sum_g / n).reshape(per_channel), (sum_gx / n).reshape(per_channel)
+        gx = scale.reshape(per_channel) * (gy - mean_g - xhat * mean_gx)
+        return (gx, sum_gx if weight is not None and ctx.needs_input_grad[1] else None,
+                sum_g if ctx.has_bias and ctx.needs_input_grad[2] else None, None)
+
+
+def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+                eps=1e-5):  # (F.batch_norm's names)
+    x = input
+    per_channel = (1, -1) + (1,) * (x.dim() - 2)
+    if not training:
+        y = (x - running_mean.reshape(per_channel)) * torch.rsqrt(running_var + eps).reshape(per_channel)
+        y = y if weight is None else y * weight.reshape(per_channel)
+        return y if bias is None else y + bias.reshape(per_channel)
+    y, mean, var = _BatchNormTraining.apply(x, weight, bias, eps)
+    if running_mean is not None:  # torch updates the running variance with the unbiased one
+        n = x.numel() // x.shape[1]
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(momentum * mean)
+            running_var.mul_(1 - momentum).add_(momentum * n / max(n - 1, 1) * var)
+    return y
+
+
 def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):  # F.scaled_dot_product_attention's names: callers pass them by keyword
     q, k, v = query, key, value
@@ -259,6 +315,126 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return torch.einsum("...qk,...kd->...qd", probs, v)
 
 
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _weight_grad(x: torch.Tensor, gy: torch.Tensor, shape: torch.Size, stride, dilation, groups: int) -> torch.Tensor:
+    """The weight gradient of a grouped convolution of the padded input `x` giving `gy`, as one dot per kernel
+    offset over a strided slice of `x`: GSPMD partitions dots split on the batch correctly, where its
+    convolution handler, given the `batch_group_count` convolution of the autodiff, all-reduces the partial
+    sums over every device and not over the batch axis alone (tests/backends/test_xla_known_bugs.py)."""
+    n, d = x.shape[0], x.dim() - 2
+    o, cg, k = shape[0], shape[1], shape[2:]
+    out = gy.shape[2:]
+    gyg = gy.reshape(n, groups, o // groups, -1)
+    parts = []
+    for off in itertools.product(*[range(kk) for kk in k]):
+        window = tuple(slice(off[i] * dilation[i], off[i] * dilation[i] + (out[i] - 1) * stride[i] + 1, stride[i])
+                       for i in range(d))
+        xs = x[(slice(None), slice(None), *window)].reshape(n, groups, cg, -1)
+        if cg == 1:  # depthwise: a product and a sum, which XLA fuses with the slice (nothing materialized)
+            parts.append((xs * gyg).sum((0, 3)).reshape(groups, o // groups, 1))
+        else:
+            parts.append(torch.einsum("ngcl,ngol->goc", xs, gyg))
+    return torch.stack(parts, -1).reshape(shape)
+
+
+def _pad(x: torch.Tensor, pads: list[tuple[int, int]]) -> torch.Tensor:
+    flat = [p for pair in reversed(pads) for p in pair]
+    return F.pad(x, flat) if any(flat) else x
+
+
+class _GroupedConv(torch.autograd.Function):
+    """A grouped convolution (or transposed convolution) whose weight gradient is `_weight_grad`'s; the
+    forward and the input gradient are torch's own convolutions."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, pads, dilation, groups, transposed, output_padding):
+        d = x.dim() - 2
+        ctx.save_for_backward(x, weight)
+        ctx.conf = (stride, pads, dilation, groups, transposed, bias is not None)
+        if transposed:
+            return _CONV_T[d](x, weight, bias, stride, [p for p, _ in pads], output_padding, groups, dilation)
+        return _CONV[d](_pad(x, pads), weight, bias, stride, 0, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        stride, pads, dilation, groups, transposed, has_bias = ctx.conf
+        d = x.dim() - 2
+        gx = gw = gb = None
+        m = gy.shape[1] // groups  # the depthwise multiplier: the input gradient sums its m output channels
+        # one at a time (a convolution of `gy` with `m` channels a group is one GSPMD gathers the batch of)
+        if transposed:  # the adjoint of the convolution of `gy` by `weight`: its input's and weight's roles swap
+            if ctx.needs_input_grad[0]:
+                gx = sum(_CONV[d](_pad(gy[:, j::m], pads), weight[:, j:j + 1], None, stride, 0, dilation, groups)
+                         for j in range(m))
+            if ctx.needs_input_grad[1]:
+                gw = _weight_grad(_pad(gy, pads), x, weight.shape, stride, dilation, groups)
+        else:
+            if ctx.needs_input_grad[0]:
+                grad_input = getattr(torch.nn.grad, f"conv{d}d_input")
+                padded = [*x.shape[:2], *(s + a + b for s, (a, b) in zip(x.shape[2:], pads))]
+                gx = sum(grad_input(padded, weight[j::m], gy[:, j::m], stride, 0, dilation, groups) for j in range(m))
+                gx = gx[(slice(None), slice(None), *(slice(a, a + s) for s, (a, _) in zip(x.shape[2:], pads)))]
+            if ctx.needs_input_grad[1]:
+                gw = _weight_grad(_pad(x, pads), gy, weight.shape, stride, dilation, groups)
+        if has_bias and ctx.needs_input_grad[2]:
+            gb = gy.sum([0, *range(2, gy.dim())])
+        return gx, gw, gb, None, None, None, None, None, None
+
+
+def _tuple(v, d: int) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * d
+
+
+def _grouped_conv(d: int) -> Callable:
+    def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):  # (F.convNd's names)
+        if groups == 1 or input.dim() != d + 2:
+            return _CONV[d](input, weight, bias, stride, padding, dilation, groups)
+        width = input.shape[1] // groups
+        if width > 1:
+            if groups <= width:  # one plain convolution per group
+                return torch.cat([_CONV[d](x, w, b, stride, padding, dilation) for x, w, b in
+                                  zip(input.chunk(groups, 1), weight.chunk(groups), _chunks(bias, groups))], 1)
+            # one depthwise convolution per channel of a group (the i-th input channel of every group)
+            y = sum(conv(input[:, i::width], weight[:, i:i + 1], None, stride, padding, dilation, groups)
+                    for i in range(width))
+            return y if bias is None else y + bias.reshape(-1, *(1,) * d)
+        dil = _tuple(dilation, d)
+        if isinstance(padding, str):  # 'same' pads an even kernel's extra element after, as torch does
+            total = [0] * d if padding == "valid" else [dil[i] * (weight.shape[2 + i] - 1) for i in range(d)]
+            pads = [(t // 2, t - t // 2) for t in total]
+        else:
+            pads = [(p, p) for p in _tuple(padding, d)]
+        return _GroupedConv.apply(input, weight, bias, _tuple(stride, d), pads, dil, groups, False, None)
+
+    return conv
+
+
+def _grouped_conv_transpose(d: int) -> Callable:
+    def conv_transpose(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+        if groups == 1 or input.dim() != d + 2:
+            return _CONV_T[d](input, weight, bias, stride, padding, output_padding, groups, dilation)
+        width = input.shape[1] // groups
+        if width > 1:
+            if groups <= width:
+                return torch.cat([_CONV_T[d](x, w, b, stride, padding, output_padding, 1, dilation) for x, w, b in
+                                  zip(input.chunk(groups, 1), weight.chunk(groups), _chunks(bias, groups))], 1)
+            y = sum(conv_transpose(input[:, i::width], weight[i::width], None, stride, padding, output_padding,
+                                   groups, dilation) for i in range(width))
+            return y if bias is None else y + bias.reshape(-1, *(1,) * d)
+        return _GroupedConv.apply(input, weight, bias, _tuple(stride, d), [(p, p) for p in _tuple(padding, d)],
+                                  _tuple(dilation, d), groups, True, _tuple(output_padding, d))
+
+    return conv_transpose
+
+
+def _chunks(bias: torch.Tensor | None, groups: int) -> Sequence[torch.Tensor | None]:
+    return [None] * groups if bias is None else bias.chunk(groups)
+
+
 def _compiling_true() -> bool:
     return True
 
@@ -266,14 +442,18 @@ def _compiling_true() -> bool:
 class Lowerings(TorchFunctionMode):
     """Active while the sharded model's forward runs (module docstring, items 4, 6 and 8)."""
 
-    def __init__(self, layer_norm: bool = True, attention: bool = True) -> None:
+    def __init__(self, layer_norm: bool = True, attention: bool = True, grouped_conv: bool = True) -> None:
         super().__init__()
         self.table: dict[Callable, Callable] = {}
         if layer_norm:
             self.table[F.layer_norm] = _layer_norm
             self.table[F.group_norm] = _group_norm
+            self.table[F.batch_norm] = _batch_norm
         if attention:
             self.table[F.scaled_dot_product_attention] = _attention
+        if grouped_conv:
+            self.table.update({_CONV[d]: _grouped_conv(d) for d in _CONV})
+            self.table.update({_CONV_T[d]: _grouped_conv_transpose(d) for d in _CONV_T})
         self.calls: CallConstraints | None = None
         self.compiling = False  # run the forward with torch.compiler.is_compiling() true (`plan.compiling`)
         self._is_compiling: Callable[[], bool] | None = None
@@ -622,14 +802,6 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
 
         return hook
 
-    split = _batch_split_grouped_convs(model, plan)
-    if split:
-        log.warning("gathering the batch of %d grouped convolution(s) before each (%s): torch_xla 2.9 computes a "
-                    "grouped convolution's weight gradient wrongly when its batch is split (an all-gather and a "
-                    "replicated convolution that the plan does not cost; docs/apply.md)",
-                    len(split), ", ".join(split[:3]) + (", ..." if len(split) > 3 else ""))
-    for path in split:
-        rec.handles.append(model.get_submodule(path).register_forward_pre_hook(_whole_input(mesh)))
     for path, spec in plan.activations.items():  # module outputs and their gradients as the plan has them
         try:
             mod = model.get_submodule(path)
@@ -726,31 +898,6 @@ def grad_hook(mesh, spec: tuple, *, whole_first: bool = False) -> Callable[[torc
         return g
 
     return made_whole
-
-
-def _batch_split_grouped_convs(model: nn.Module, plan: ShardingPlan) -> list[str]:
-    """The grouped convolutions whose batch the plan splits (their output tiled on dim 0, as the plan has it;
-    or, not recorded, a batch input tiled). torch_xla 2.9's SPMD partitioner computes such a convolution's
-    weight gradient wrongly (tests/backends/test_xla_known_bugs.py), so the backend gathers its input."""
-    batch_split = any(spec and spec[0] is not None for spec in plan.inputs)
-    out = []
-    for path, m in model.named_modules():
-        if isinstance(m, nn.modules.conv._ConvNd) and m.groups > 1:
-            spec = plan.activations.get(path)
-            if (spec[0] is not None) if spec else batch_split:
-                out.append(path)
-    return out
-
-
-def _whole_input(mesh):
-    def hook(mod: nn.Module, args: tuple) -> tuple:
-        x = args[0]
-        if isinstance(x, torch.Tensor) and x.device.type == "xla":
-            with torch._C.DisableTorchFunction():  # not one of the model's calls (`CallConstraints` counts those)
-                return (constrain(x, mesh, (None,) * x.dim(), None), *args[1:])
-        return None
-
-    return hook
 
 
 def _grouped_conv_weights(model: nn.Module) -> set[str]:
