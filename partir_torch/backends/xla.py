@@ -13,14 +13,15 @@ What `shard_module` does to the user's model, all of it undone by `unshard(model
    resolves conflicts its own way and runs another program than the one costed (docs/cost-model.md);
 3. a forward pre-hook on the root shards the batch tensors that reach `forward` (moving host tensors to
    the device), and checks their shapes against the plan's;
-4. while the root's forward runs, a `TorchFunctionMode` (`Lowerings`) runs `F.layer_norm`, `F.group_norm` and
-   `F.batch_norm` as reductions over the normalized dims and `F.scaled_dot_product_attention` as einsums over
-   [B, H, T, d]: torch_xla lowers the norms to XLA's batch-norm ops (over a [1, B*T, D] or [1, N*G, ...]
-   reshape for the first two) and attention to matmuls over a [B*H, T, d] reshape, and GSPMD gathers the
-   batch around the first and loses the batch / head sharding in the others (the same math, so the same
-   numerics); and grouped convolutions (and transposed ones) with their weight gradient as
-   one dot per kernel offset (`_GroupedConv`): given the autodiff's `batch_group_count` convolution with its
-   batch split, GSPMD all-reduces the partial sums over every device, not the batch axis alone;
+4. while the root's forward runs, a `TorchFunctionMode` (`Lowerings`) runs `F.layer_norm`, `F.group_norm`,
+   `F.batch_norm` and `F.instance_norm` as reductions over the normalized dims and
+   `F.scaled_dot_product_attention` as einsums over [B, H, T, d]: torch_xla lowers the norms to XLA's
+   batch-norm ops (over a [1, B*T, D], [1, N*G, ...] or [1, N*C, ...] reshape for all but batch norm) and
+   attention to matmuls over a [B*H, T, d] reshape: GSPMD gathers the batch around the norms and loses the
+   head sharding in attention (the same math, so the same numerics); and grouped convolutions
+   (and transposed ones) as plain or depthwise ones, a depthwise one's weight gradient computed per kernel
+   offset (`_GroupedConv`): given the autodiff's `batch_group_count` convolution with its batch split,
+   GSPMD all-reduces the partial sums over every device, not the batch axis alone;
 5. each module whose input the plan reshards on entry (`plan.module_inputs`: LayerNorm's input gathered,
    say) gets a forward pre-hook that constrains that input (and its gradient) the same way, so that
    GSPMD reshards there and not after the module.
@@ -296,6 +297,28 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
     return y
 
 
+def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
+                   momentum=0.1, eps=1e-5):  # (F.instance_norm's names)
+    x = input
+    n, c = x.shape[:2]
+    per_channel = (1, c) + (1,) * (x.dim() - 2)
+    if use_input_stats:
+        dims = tuple(range(2, x.dim()))
+        mean = x.mean(dims, keepdim=True)
+        xc = x - mean
+        var = (xc * xc).mean(dims, keepdim=True)
+        y = xc * torch.rsqrt(var + eps)
+        if running_mean is not None:  # the batch's mean of each instance's statistics (unbiased variance)
+            m = x[0, 0].numel()
+            with torch.no_grad():
+                running_mean.mul_(1 - momentum).add_(momentum * mean.reshape(n, c).mean(0))
+                running_var.mul_(1 - momentum).add_(momentum * m / max(m - 1, 1) * var.reshape(n, c).mean(0))
+    else:
+        y = (x - running_mean.reshape(per_channel)) * torch.rsqrt(running_var + eps).reshape(per_channel)
+    y = y if weight is None else y * weight.reshape(per_channel)
+    return y if bias is None else y + bias.reshape(per_channel)
+
+
 def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):  # F.scaled_dot_product_attention's names: callers pass them by keyword
     q, k, v = query, key, value
@@ -449,6 +472,7 @@ class Lowerings(TorchFunctionMode):
             self.table[F.layer_norm] = _layer_norm
             self.table[F.group_norm] = _group_norm
             self.table[F.batch_norm] = _batch_norm
+            self.table[F.instance_norm] = _instance_norm
         if attention:
             self.table[F.scaled_dot_product_attention] = _attention
         if grouped_conv:

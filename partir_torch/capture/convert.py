@@ -57,6 +57,11 @@ def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Prog
             mutated.append((env[node.args[0]], env[node.args[1]]))
             env[node] = env[node.args[1]]
             continue
+        if node.target is torch.ops.aten.copy_.default and _same_meta(*node.args[:2]):
+            # a copy into an intermediate the decompositions make below functionalization (batch norm's
+            # running statistics of a repeated buffer, as `instance_norm` passes them): its value from then on
+            env[node] = env[node.args[0]] = env[node.args[1]]
+            continue
         if node.target is operator.getitem:
             env[node] = env[node.args[0]][node.args[1]]
             continue
@@ -133,6 +138,12 @@ def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Prog
     program.constants = constants
     program.n_graph_outputs = len(out_args)
     return program
+
+
+def _same_meta(dst: Any, src: Any) -> bool:
+    """Whether `src` has `dst`'s shape and dtype (a `copy_` that replaces the value, no broadcast or cast)."""
+    a, b = (getattr(n, "meta", {}).get("val") for n in (dst, src))
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
 
 
 def user_line(stack_trace: str | None) -> str | None:

@@ -287,7 +287,7 @@ def test_without_torch_xla_the_error_says_how_to_install_the_pinned_pair(monkeyp
 @pytest.mark.parametrize("shape,groups", [((4, 8, 5, 5), 4), ((2, 6, 7), 3), ((3, 4), 2)])
 def test_the_norm_lowerings_compute_what_torch_does(shape, groups):
     """The lowerings `shard_module` runs instead of torch_xla's batch-norm forms are the same math."""
-    from partir_torch.backends.xla import _batch_norm, _group_norm, _layer_norm
+    from partir_torch.backends.xla import _batch_norm, _group_norm, _instance_norm, _layer_norm
 
     torch.manual_seed(0)
     x = torch.randn(*shape, dtype=torch.float64)
@@ -303,6 +303,14 @@ def test_the_norm_lowerings_compute_what_torch_does(shape, groups):
                                    F.batch_norm(x, *theirs, w, b, training, 0.3, 1e-5))
         torch.testing.assert_close(ours, theirs)
     torch.testing.assert_close(_batch_norm(x, None, None, training=True), F.batch_norm(x, None, None, training=True))
+    if len(shape) > 2:  # instance norm, with and without running statistics
+        for use_input_stats in (True, False):
+            ours = [torch.randn(shape[1], dtype=torch.float64), torch.rand(shape[1], dtype=torch.float64) + 0.5]
+            theirs = [t.clone() for t in ours]
+            torch.testing.assert_close(_instance_norm(x, *ours, w, b, use_input_stats, 0.3, 1e-5),
+                                       F.instance_norm(x, *theirs, w, b, use_input_stats, 0.3, 1e-5))
+            torch.testing.assert_close(ours, theirs)
+        torch.testing.assert_close(_instance_norm(x), F.instance_norm(x))
     xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
     gy = torch.randn_like(x)
     grads = [torch.autograd.grad(bn(xs, None, None, ws, bs, True), (xs, ws, bs), gy)
@@ -343,7 +351,8 @@ def test_the_grouped_convolution_lowerings_compute_what_torch_does(transposed, d
     torch.testing.assert_close(torch.autograd.grad(got, (x, w, b), gy), torch.autograd.grad(want, (x, w, b), gy))
 
 
-@pytest.mark.parametrize("name", ["layer_norm", "group_norm", "batch_norm", "scaled_dot_product_attention"])
+@pytest.mark.parametrize("name", ["layer_norm", "group_norm", "batch_norm", "instance_norm",
+                                  "scaled_dot_product_attention"])
 def test_the_lowerings_take_the_torch_functions_arguments_by_position_and_by_keyword(name):
     """A lowering is called in place of the torch function with the caller's own arguments: HF ALBERT calls
     `F.scaled_dot_product_attention(query=..., key=..., value=...)`, which failed with another parameter name."""
@@ -367,6 +376,8 @@ def test_the_lowerings_take_the_torch_functions_arguments_by_position_and_by_key
         "group_norm": [dict(input=x, num_groups=2, weight=w[:4], bias=b[:4])],
         "batch_norm": [dict(input=x, running_mean=None, running_var=None, weight=w[:4], bias=b[:4], training=True,
                             momentum=0.2, eps=1e-3)],
+        "instance_norm": [dict(input=x, running_mean=None, running_var=None, weight=w[:4], bias=b[:4],
+                               use_input_stats=True, momentum=0.2, eps=1e-3)],
         "scaled_dot_product_attention": [
             dict(query=x, key=x.flip(-2), value=x * 2, is_causal=True, scale=0.3),
             dict(query=x, key=x, value=x, attn_mask=torch.rand(6, 6) > 0.3),
@@ -744,14 +755,15 @@ def test_a_grouped_convolution_with_a_split_batch_trains_like_unsharded_and_move
     assert j["ratios"]["all-reduce"] == pytest.approx(1.0, abs=0.01), j["ratios"]
 
 
-def test_batch_norm_in_training_mode_keeps_the_batch_split_and_its_running_statistics():
-    """torch_xla lowers batch norm to XLA's batch-norm op, around which GSPMD gathers the batch (two
-    all-gathers of the activations per layer on tv-resnet18, which the plan does not have); the backend runs
-    it as reductions (`xla._batch_norm`): XLA then all-reduces the statistics as the plan does, the model
-    trains like unsharded and its running statistics come back the same."""
+def test_batch_and_instance_norm_in_training_mode_keep_the_batch_split_and_their_running_statistics():
+    """torch_xla lowers batch and instance norm to XLA's batch-norm op, around which GSPMD gathers the batch
+    (two all-gathers of the activations per layer on tv-resnet18, which the plan does not have); the backend
+    runs them as reductions (`xla._batch_norm`, `_instance_norm`): XLA then all-reduces the statistics as the
+    plan does, the model trains like unsharded and its running statistics come back the same."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
                           nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16, momentum=0.3), nn.ReLU(),
+                          nn.Conv2d(16, 16, 1), nn.InstanceNorm2d(16, affine=True, track_running_stats=True),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4), nn.BatchNorm1d(4))
     batch = (torch.randn(8, 3, 8, 8), torch.randint(0, 4, (8,)))
     loss = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
@@ -764,9 +776,9 @@ def test_batch_norm_in_training_mode_keeps_the_batch_split_and_its_running_stati
     assert got == pytest.approx(want, rel=1e-5)
     plan = model.partir_plan
     stats = {k: v for k, v in partir_torch.unshard(model).state_dict().items() if "running" in k or "batches" in k}
-    assert len(stats) == 9
+    assert len(stats) == 12
     for k, v in stats.items():
-        torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-5, msg=k)
     j = partir_torch.verify(fresh, batch, plan=plan, loss_fn=loss,
                             optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1)).to_json()
     assert j["unexpected_collectives"] == [] and set(j["measured"]["comm_bytes"]) == {"all-reduce"}, j["measured"]

@@ -137,6 +137,18 @@ def test_batchnorm_training(data):
     check(m, (r(4, 4, 2, 2),), data)
 
 
+@SETTINGS
+@given(st.data())
+def test_instance_norm_with_running_statistics(data):
+    """`instance_norm` passes batch norm its buffers repeated per instance; the decomposition's update of that
+    intermediate (a `copy_` below functionalization) is its value from then on (`capture.convert`)."""
+    m = nn.Sequential(nn.Conv2d(4, 4, 1), nn.InstanceNorm2d(4, affine=True, track_running_stats=True), nn.ReLU(),
+                      nn.Flatten(), nn.LazyLinear(4))
+    m(r(4, 4, 2, 2))
+    m.train()
+    check(m, (r(4, 4, 2, 2),), data)
+
+
 @settings(SETTINGS, max_examples=6)  # one capture of two recurrent layers is the slow part
 @given(st.data())
 def test_rnn(data):
