@@ -342,24 +342,34 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
-def _weight_grad(x: torch.Tensor, gy: torch.Tensor, shape: torch.Size, stride, dilation, groups: int) -> torch.Tensor:
-    """The weight gradient of a grouped convolution of the padded input `x` giving `gy`, as one dot per kernel
-    offset over a strided slice of `x`: GSPMD partitions dots split on the batch correctly, where its
-    convolution handler, given the `batch_group_count` convolution of the autodiff, all-reduces the partial
-    sums over every device and not over the batch axis alone (tests/backends/test_xla_known_bugs.py)."""
+def _weight_grad(x: torch.Tensor, gy: torch.Tensor, shape: torch.Size, stride, pads, dilation,
+                 groups: int) -> torch.Tensor:
+    """The weight gradient of a grouped convolution of `x` (padded by `pads`) giving `gy`, per kernel offset: the
+    product of the strided slice of `x` that offset reads with the outputs that read it inside `x`, summed (a
+    product and a sum for a depthwise one, which XLA fuses, nothing materialized; a dot otherwise). GSPMD
+    partitions these with the batch split correctly, where its convolution handler, given the autodiff's
+    `batch_group_count` convolution, all-reduces the partial sums over every device and not over the batch
+    axis alone (tests/backends/test_xla_known_bugs.py). No padded copy of `x` is made: GSPMD gathered the
+    batch of one."""
     n, d = x.shape[0], x.dim() - 2
     o, cg, k = shape[0], shape[1], shape[2:]
-    out = gy.shape[2:]
-    gyg = gy.reshape(n, groups, o // groups, -1)
+    og = o // groups
     parts = []
     for off in itertools.product(*[range(kk) for kk in k]):
-        window = tuple(slice(off[i] * dilation[i], off[i] * dilation[i] + (out[i] - 1) * stride[i] + 1, stride[i])
-                       for i in range(d))
-        xs = x[(slice(None), slice(None), *window)].reshape(n, groups, cg, -1)
-        if cg == 1:  # depthwise: a product and a sum, which XLA fuses with the slice (nothing materialized)
-            parts.append((xs * gyg).sum((0, 3)).reshape(groups, o // groups, 1))
+        xs, ys = [slice(None)] * 2, [slice(None)] * 2
+        for i in range(d):
+            first = off[i] * dilation[i] - pads[i][0]  # the input index output 0 reads at this offset
+            lo = (-first + stride[i] - 1) // stride[i] if first < 0 else 0  # the first output inside `x`
+            hi = min(gy.shape[2 + i], (x.shape[2 + i] - 1 - first) // stride[i] + 1)
+            xs.append(slice(first + lo * stride[i], first + (hi - 1) * stride[i] + 1, stride[i]) if hi > lo
+                      else slice(0, 0))
+            ys.append(slice(lo, max(lo, hi)))
+        xo = x[tuple(xs)].reshape(n, groups, cg, -1)
+        yo = gy[tuple(ys)].reshape(n, groups, og, -1)
+        if cg == 1:  # depthwise: a product and a sum, which XLA fuses with the slices
+            parts.append((xo * yo).sum((0, 3)).reshape(groups, og, 1))
         else:
-            parts.append(torch.einsum("ngcl,ngol->goc", xs, gyg))
+            parts.append(torch.einsum("ngcl,ngol->goc", xo, yo))
     return torch.stack(parts, -1).reshape(shape)
 
 
@@ -369,8 +379,11 @@ def _pad(x: torch.Tensor, pads: list[tuple[int, int]]) -> torch.Tensor:
 
 
 class _GroupedConv(torch.autograd.Function):
-    """A grouped convolution (or transposed convolution) whose weight gradient is `_weight_grad`'s; the
-    forward and the input gradient are torch's own convolutions."""
+    """A depthwise convolution (or transposed convolution) whose weight gradient is `_weight_grad`'s; the
+    forward and the input gradient are torch's own convolutions, a depthwise multiplier's channels one at a
+    time in the input gradient (a convolution with several channels a group is one GSPMD gathers the batch
+    of). Padding is the convolutions' own where it is the same on both sides: GSPMD gathered the batch of an
+    explicitly padded input."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride, pads, dilation, groups, transposed, output_padding):
@@ -379,6 +392,8 @@ class _GroupedConv(torch.autograd.Function):
         ctx.conf = (stride, pads, dilation, groups, transposed, bias is not None)
         if transposed:
             return _CONV_T[d](x, weight, bias, stride, [p for p, _ in pads], output_padding, groups, dilation)
+        if all(a == b for a, b in pads):
+            return _CONV[d](x, weight, bias, stride, [a for a, _ in pads], dilation, groups)
         return _CONV[d](_pad(x, pads), weight, bias, stride, 0, dilation, groups)
 
     @staticmethod
@@ -387,22 +402,28 @@ class _GroupedConv(torch.autograd.Function):
         stride, pads, dilation, groups, transposed, has_bias = ctx.conf
         d = x.dim() - 2
         gx = gw = gb = None
-        m = gy.shape[1] // groups  # the depthwise multiplier: the input gradient sums its m output channels
-        # one at a time (a convolution of `gy` with `m` channels a group is one GSPMD gathers the batch of)
+        m = gy.shape[1] // groups if not transposed else weight.shape[1]
         if transposed:  # the adjoint of the convolution of `gy` by `weight`: its input's and weight's roles swap
             if ctx.needs_input_grad[0]:
-                gx = sum(_CONV[d](_pad(gy[:, j::m], pads), weight[:, j:j + 1], None, stride, 0, dilation, groups)
+                padding = [a for a, _ in pads]
+                gx = sum(_CONV[d](gy[:, j::m], weight[:, j:j + 1], None, stride, padding, dilation, groups)
                          for j in range(m))
             if ctx.needs_input_grad[1]:
-                gw = _weight_grad(_pad(gy, pads), x, weight.shape, stride, dilation, groups)
+                gw = _weight_grad(gy, x, weight.shape, stride, pads, dilation, groups)
         else:
             if ctx.needs_input_grad[0]:
                 grad_input = getattr(torch.nn.grad, f"conv{d}d_input")
-                padded = [*x.shape[:2], *(s + a + b for s, (a, b) in zip(x.shape[2:], pads))]
-                gx = sum(grad_input(padded, weight[j::m], gy[:, j::m], stride, 0, dilation, groups) for j in range(m))
-                gx = gx[(slice(None), slice(None), *(slice(a, a + s) for s, (a, _) in zip(x.shape[2:], pads)))]
+                if all(a == b for a, b in pads):
+                    padding = [a for a, _ in pads]
+                    gx = sum(grad_input(x.shape, weight[j::m], gy[:, j::m], stride, padding, dilation, groups)
+                             for j in range(m))
+                else:
+                    padded = [*x.shape[:2], *(s + a + b for s, (a, b) in zip(x.shape[2:], pads))]
+                    gx = sum(grad_input(padded, weight[j::m], gy[:, j::m], stride, 0, dilation, groups)
+                             for j in range(m))
+                    gx = gx[(slice(None), slice(None), *(slice(a, a + s) for s, (a, _) in zip(x.shape[2:], pads)))]
             if ctx.needs_input_grad[1]:
-                gw = _weight_grad(_pad(x, pads), gy, weight.shape, stride, dilation, groups)
+                gw = _weight_grad(x, gy, weight.shape, stride, pads, dilation, groups)
         if has_bias and ctx.needs_input_grad[2]:
             gb = gy.sum([0, *range(2, gy.dim())])
         return gx, gw, gb, None, None, None, None, None, None

@@ -324,9 +324,11 @@ def test_the_norm_lowerings_compute_what_torch_does(shape, groups):
     (False, 2, 8, 16, 4, 1, "same", 2, 8),  # depthwise with a multiplier, an even kernel padded 'same'
     (False, 1, 6, 6, 5, 2, 2, 1, 6),
     (False, 3, 4, 8, 3, 1, 1, 1, 2),
+    (False, 2, 8, 8, 5, 3, 4, 3, 8),  # offsets whose window reads only padding
     (True, 2, 16, 8, 2, 2, 0, 1, 2),
     (True, 2, 8, 8, 3, 2, 1, 1, 4),
     (True, 2, 8, 16, 3, 2, 1, 2, 8),
+    (True, 1, 6, 6, 5, 3, 2, 2, 6),
 ])
 def test_the_grouped_convolution_lowerings_compute_what_torch_does(transposed, d, cin, cout, k, stride, padding,
                                                                    dilation, groups):
