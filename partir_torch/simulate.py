@@ -265,10 +265,21 @@ def _localize(target: str, args: tuple, state: ShardingState, o: int, results: l
         n, c = state.op_output(o, 0).local_shape(prog.values[results[0]].shape, mesh)[:2]
         g = state.op_output(o, 1).local_shape(prog.values[results[1]].shape, mesh)[1]
         return (*args[:3], n, c, args[5], g, *args[7:])
-    if target == "aten.convolution_backward.default" and args[3] is not None:
+    if target == "aten.convolution.default" and args[8] > 1:  # a depthwise one's groups: its local channels
+        return (*args[:8], _local_groups(state, o, 1, args[8]), *args[9:])
+    if target == "aten.convolution_backward.default":
+        if args[9] > 1:
+            args = (*args[:9], _local_groups(state, o, 2, args[9]), *args[10:])
         outs = prog.ops[o].outputs
-        if outs[2] >= 0:
+        if args[3] is not None and outs[2] >= 0:
             r = [x for x in outs if x >= 0].index(outs[2])
             size = state.op_output(o, r).local_shape(prog.values[outs[2]].shape, mesh)
             return (*args[:3], list(size), *args[4:])
     return args
+
+
+def _local_groups(state: ShardingState, o: int, w: int, groups: int) -> int:
+    """A grouped convolution's groups on one device: fewer where its weight's output channels are tiled (a
+    depthwise one's, `rules/conv`)."""
+    full = state.program.values[state.rules[o].operands[w].value].shape
+    return groups * required_operand(state, o, w).local_shape(full, state.mesh)[0] // full[0]

@@ -946,14 +946,16 @@ def grad_hook(mesh, spec: tuple, *, whole_first: bool = False) -> Callable[[torc
 
 
 def _grouped_conv_weights(model: nn.Module) -> set[str]:
-    """The weights of the model's grouped convolutions. Their convolution runs with its channels whole
-    (`rules/conv.py`), so the plan makes their gradient whole and then reduces it to its tiles; the engine is
-    told so. Left to itself, GSPMD partitions the weight-gradient convolution (`batch_group_count` = groups)
-    over the output channels the gradient is tiled on, and when that count does not divide the groups (a
-    RegNetY stage of 3 groups, tiled by 2) XLA 2.9 aborts the process: "Check failed: new_input_batch_size %
-    new_output_batch_size == 0" in its convolution handler (docs/apply.md)."""
+    """The weights of the model's grouped convolutions but depthwise ones. Their convolution runs with its
+    channels whole (`rules/conv.py`), so the plan makes their gradient whole and then reduces it to its tiles;
+    the engine is told so. (Left to GSPMD's convolution handler, the weight-gradient convolution partitioned
+    over output channels that do not divide the groups, a RegNetY stage of 3 groups tiled by 2, aborted XLA
+    2.9: "Check failed: new_input_batch_size % new_output_batch_size == 0"; docs/apply.md.) A depthwise
+    convolution's channels are its groups: the plan tiles its gradient as it makes it, and made whole first
+    it would be gathered."""
     return {f"{path}.weight" if path else "weight" for path, m in model.named_modules()
-            if isinstance(m, nn.modules.conv._ConvNd) and m.groups > 1}
+            if isinstance(m, nn.modules.conv._ConvNd) and m.groups > 1
+            and not m.groups == m.in_channels == m.out_channels}
 
 
 def _batch_hook(rec: Sharded):

@@ -619,6 +619,7 @@ def test_a_grouped_convolution_s_weight_gradient_is_made_whole_before_it_is_tile
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(24, 24, 1), nn.Conv2d(24, 24, 3, padding=1, groups=3, bias=False))
     assert _grouped_conv_weights(model) == {"1.weight"}
+    assert _grouped_conv_weights(nn.Conv2d(8, 8, 3, groups=8)) == set()  # depthwise: the plan tiles its gradient
     x = torch.randn(4, 24, 8, 8)
     model(x).square().mean().backward()
     ref = model[1].weight.grad

@@ -112,6 +112,16 @@ def test_conv(data):
 
 @SETTINGS
 @given(st.data())
+def test_depthwise_and_grouped_conv(data):
+    """A depthwise convolution's channels tile (its groups are its channels), a grouped one's stay whole."""
+    m = nn.Sequential(nn.Conv2d(4, 8, 1), nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8), nn.ReLU(),
+                      nn.Conv2d(8, 8, 3, padding=1, groups=2),
+                      nn.ConvTranspose2d(8, 8, 2, stride=2, groups=8))
+    check(m, (r(4, 4, 6, 6),), data)
+
+
+@SETTINGS
+@given(st.data())
 def test_loss(data):
     target = torch.tensor([0, 3, 1, 2, 2, 1, 0, 3])
 
@@ -330,6 +340,28 @@ def test_group_norm_with_its_channels_tiled_in_whole_groups_normalizes_each_devi
     assert res.max_rel_diff < 1e-5, res.diffs
     gn = next(o for o in state.program.ops if o.target == "aten.native_group_norm.default")
     assert state.op_output(gn.id, 0).dims[1] == ()
+
+
+def test_a_depthwise_convolution_runs_on_the_channels_its_input_is_tiled_on():
+    """A pointwise conv tiled on its output channels feeds a depthwise conv (MobileNet's block) without a
+    gather: the depthwise conv's groups are its channels, so it runs on each device's own, forward and
+    backward, and the step equals unsharded; a grouped conv with channels a group gathers them."""
+    from partir_torch.ir import Mesh, Tile
+    from tests.rules.harness import run_plan
+
+    def net(groups: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, padding=1, groups=groups), nn.ReLU(),
+                             nn.Conv2d(8, 2, 1))
+
+    torch.manual_seed(0)
+    for groups, gathered in ((8, False), (2, True)):
+        state, res = run_plan(net(groups), (r(2, 3, 4, 4),), Mesh.parse("x=4,y=2"),
+                              [Tile("0.weight", 0, "x"), Tile("inputs[0]", 0, "y")])
+        assert res.max_rel_diff < 1e-5 and res.replica_mismatch < 1e-6, res.diffs
+        conv = [o for o in state.program.ops if o.target == "aten.convolution.default"][1]
+        x = conv.inputs[0]
+        assert bool([c for c in res.collectives if c.value == x and c.axis == "x"]) == gathered, res.collectives
+        assert (state.op_output(conv.id, 0).dims[1] == ("x",)) != gathered
 
 
 def test_index_add_with_its_source_rows_tiled_is_a_sum_pending_over_their_axis():
