@@ -346,7 +346,8 @@ def _weight_grad(x: torch.Tensor, gy: torch.Tensor, shape: torch.Size, stride, p
                  groups: int) -> torch.Tensor:
     """The weight gradient of a grouped convolution of `x` (padded by `pads`) giving `gy`, per kernel offset: the
     product of the strided slice of `x` that offset reads with the outputs that read it inside `x`, summed (a
-    product and a sum for a depthwise one, which XLA fuses, nothing materialized; a dot otherwise). GSPMD
+    product and a sum for a depthwise one, which XLA fuses, nothing materialized; a dot otherwise), then
+    summed over the batch at once (one all-reduce of the whole gradient, as the plan has it). GSPMD
     partitions these with the batch split correctly, where its convolution handler, given the autodiff's
     `batch_group_count` convolution, all-reduces the partial sums over every device and not over the batch
     axis alone (tests/backends/test_xla_known_bugs.py). No padded copy of `x` is made: GSPMD gathered the
@@ -367,10 +368,10 @@ def _weight_grad(x: torch.Tensor, gy: torch.Tensor, shape: torch.Size, stride, p
         xo = x[tuple(xs)].reshape(n, groups, cg, -1)
         yo = gy[tuple(ys)].reshape(n, groups, og, -1)
         if cg == 1:  # depthwise: a product and a sum, which XLA fuses with the slices
-            parts.append((xo * yo).sum((0, 3)).reshape(groups, og, 1))
+            parts.append((xo * yo).sum(3).reshape(n, groups, og, 1))
         else:
-            parts.append(torch.einsum("ngcl,ngol->goc", xo, yo))
-    return torch.stack(parts, -1).reshape(shape)
+            parts.append(torch.einsum("ngcl,ngol->ngoc", xo, yo))
+    return torch.stack(parts, -1).sum(0).reshape(shape)  # summed over the batch once: one all-reduce
 
 
 def _pad(x: torch.Tensor, pads: list[tuple[int, int]]) -> torch.Tensor:
