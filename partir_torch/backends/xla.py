@@ -230,6 +230,13 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):  # (
     return y
 
 
+def _affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+            per_channel: tuple[int, ...]) -> torch.Tensor:
+    """A norm's per-channel scale and shift (either may be absent)."""
+    y = y if weight is None else y * weight.reshape(per_channel)
+    return y if bias is None else y + bias.reshape(per_channel)
+
+
 def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):  # (F.group_norm's names)
     x = input
     n, c = x.shape[:2]
@@ -238,11 +245,7 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):  # (F.grou
     xc = xg - mu
     y = (xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)).reshape(x.shape)
     per_channel = (1, c) + (1,) * (x.dim() - 2)
-    if weight is not None:
-        y = y * weight.reshape(per_channel)
-    if bias is not None:
-        y = y + bias.reshape(per_channel)
-    return y
+    return _affine(y, weight, bias, per_channel)
 
 
 class _BatchNormTraining(torch.autograd.Function):
@@ -261,8 +264,7 @@ class _BatchNormTraining(torch.autograd.Function):
         xhat = xc * rstd.reshape(per_channel)
         ctx.save_for_backward(xhat, rstd, weight)
         ctx.has_bias = bias is not None
-        y = xhat if weight is None else xhat * weight.reshape(per_channel)
-        y = y if bias is None else y + bias.reshape(per_channel)
+        y = _affine(xhat, weight, bias, per_channel)
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
 
@@ -286,8 +288,7 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
     per_channel = (1, -1) + (1,) * (x.dim() - 2)
     if not training:
         y = (x - running_mean.reshape(per_channel)) * torch.rsqrt(running_var + eps).reshape(per_channel)
-        y = y if weight is None else y * weight.reshape(per_channel)
-        return y if bias is None else y + bias.reshape(per_channel)
+        return _affine(y, weight, bias, per_channel)
     y, mean, var = _BatchNormTraining.apply(x, weight, bias, eps)
     if running_mean is not None:  # torch updates the running variance with the unbiased one
         n = x.numel() // x.shape[1]
@@ -315,8 +316,7 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
                 running_var.mul_(1 - momentum).add_(momentum * m / max(m - 1, 1) * var.reshape(n, c).mean(0))
     else:
         y = (x - running_mean.reshape(per_channel)) * torch.rsqrt(running_var + eps).reshape(per_channel)
-    y = y if weight is None else y * weight.reshape(per_channel)
-    return y if bias is None else y + bias.reshape(per_channel)
+    return _affine(y, weight, bias, per_channel)
 
 
 def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
