@@ -12,7 +12,10 @@ dozens of distinct layers could not reach one group at a time): the group's per-
 parameter optimizer states (stage 1), and its parameters (stage 3) are tiled on `dim`, while the forward and
 backward ops that read the parameter or write its gradient are fenced on the axis (their other tensors kept
 as they are), so the optimizer's sharding does not leak into the model: a stage-3 parameter is gathered
-where it is used and its gradient reduce-scattered, exactly as `tactics.ZeRO` does for all parameters.
+where it is used and its gradient reduce-scattered, exactly as `tactics.ZeRO` does for all parameters. One
+exception (`_kept_tiled`): a re-layout of the parameter (a linear's weight transpose) read in the forward only
+by ops that another parameter of the move already tiles the same way (the linear's bias) stays tiled, and the
+backward reads it tiled too: gathering it would hand the op a tile it slices again.
 
 A plan is an action list in canonical order (`rank`, `Plans`): parameter tiles, then input tiles, then ZeRO
 moves and late parameter tiles (`TileLate`), each kind in the order chosen. Order is priority, so a search that
@@ -32,7 +35,7 @@ from partir_torch.errors import IllegalActionError
 from partir_torch.ir.actions import Tile
 from partir_torch.ir.program import Phase, Program, Role
 from partir_torch.ir.sharding import divides
-from partir_torch.propagate import ShardingState
+from partir_torch.propagate import MOVES, ShardingState
 
 
 @dataclass(frozen=True, order=True)
@@ -53,7 +56,7 @@ class ShardOptimizer:
             chosen = _zero_all(state, self.axis, self.stage)
             if not chosen:
                 raise IllegalActionError(f"no optimizer state left to shard on {self.axis!r}")
-            self._fence(state, [n for n, _ in chosen])  # all fences first: no tile may leak past a later fence
+            self._fence(state, chosen)  # all fences first: no tile may leak past a later fence
             for name, d in chosen:
                 self._tiles(state, [name], d)
             state.actions.append(self)
@@ -62,25 +65,25 @@ class ShardOptimizer:
         for name in members:
             if name not in p.opt_states:
                 raise IllegalActionError(f"{name} has no optimizer state to shard")
-        self._fence(state, members)
+        self._fence(state, [(n, self.dim) for n in members])
         self._tiles(state, members, self.dim)
         state.actions.append(self)
 
-    def _fence(self, state: ShardingState, members: list[str]) -> None:
+    def _fence(self, state: ShardingState, chosen: list[tuple[str, int]]) -> None:
         p = state.program
         fence: set[int] = set()
         own: set[int] = set()
+        members = [n for n, _ in chosen]
         for name in members:
-            pv, gv = p.params[name], p.grads.get(name)
-            own.update(v for v in (pv, gv) if v is not None)
-            for v in (pv, gv):
-                if v is None:
+            own.update(v for v in (p.params[name], p.grads.get(name)) if v is not None)
+        if self.stage == 3:
+            own |= _kept_tiled(state, dict((p.params[n], d) for n, d in chosen))
+        for v in own:
+            for o in state.touch[v]:
+                if p.ops[o].phase is Phase.OPTIMIZER:
                     continue
-                for o in state.touch[v]:
-                    if p.ops[o].phase is Phase.OPTIMIZER:
-                        continue
-                    for t in (*state.rules[o].operands, *state.rules[o].results):
-                        fence.add(t.value)
+                for t in (*state.rules[o].operands, *state.rules[o].results):
+                    fence.add(t.value)
         fence -= own
         if self.stage < 3:
             fence |= own
@@ -128,6 +131,41 @@ def parse_action(text: str) -> Tile | TileLate | ShardOptimizer:
         return ShardOptimizer(m["target"], int(m["dim"]), m["axis"], int(m["stage"]))
     raise ValueError(f"not a search action: {text!r} (expected tile(target, dim, axis[, late]) or "
                      "zeroN(target, dim, 'axis'))")
+
+
+def _kept_tiled(state: ShardingState, tiled: dict[int, int]) -> set[int]:
+    """The re-layouts (transposes, views) of stage-3 parameters that stay tiled, where every forward op reading
+    them already runs on that tiling from another parameter of the move (a linear's weight transpose when
+    its bias, tiled on the same output dim, makes the addmm column-parallel): gathering such a re-layout
+    only hands the op a tile it slices again, and keeps the whole weight for the backward, which can run on
+    the tile and sum its partial input gradient instead (what GSPMD does given the parameters tiled)."""
+    p, rules = state.program, state.rules
+    kept: set[int] = set()
+    for pv, d in tiled.items():
+        chain, frontier, ok = [], [(pv, d)], True
+        while frontier and ok:
+            v, dv = frontier.pop()
+            for o in state.touch[v]:
+                op, rule = p.ops[o], rules[o]
+                if op.phase is Phase.OPTIMIZER or o == p.values[v].producer:
+                    continue
+                if rule.name in MOVES and len(rule.operands) == 1 and len(rule.results) == 1:
+                    f = rule.operands[0].dims[dv]
+                    out = rule.results[0]
+                    if f is None or f not in out.dims:
+                        ok = False
+                        break
+                    chain.append(out.value)
+                    frontier.append((out.value, out.dims.index(f)))
+                elif op.phase is Phase.FORWARD and v != pv:
+                    f = next((t.dims[dv] for t in rule.operands if t.value == v), None)
+                    if f is None or not any(t.value != v and t.value in tiled and t.dims[tiled[t.value]] == f
+                                            for t in rule.operands):
+                        ok = False
+                        break
+        if ok and chain:
+            kept.update(chain)
+    return kept
 
 
 def _zero_all(state: ShardingState, axis: str, stage: int, first: bool = False) -> list[tuple[str, int]]:
