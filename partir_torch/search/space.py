@@ -77,7 +77,7 @@ class ShardOptimizer:
         for name in members:
             own.update(v for v in (p.params[name], p.grads.get(name)) if v is not None)
         if self.stage == 3:
-            own |= _kept_tiled(state, dict((p.params[n], d) for n, d in chosen))
+            own |= _kept_tiled(state, dict((p.params[n], d) for n, d in chosen), self.axis)
         for v in own:
             for o in state.touch[v]:
                 if p.ops[o].phase is Phase.OPTIMIZER:
@@ -133,16 +133,19 @@ def parse_action(text: str) -> Tile | TileLate | ShardOptimizer:
                      "zeroN(target, dim, 'axis'))")
 
 
-def _kept_tiled(state: ShardingState, tiled: dict[int, int]) -> set[int]:
-    """The re-layouts (transposes, views) of stage-3 parameters that stay tiled, where every forward op reading
-    them already runs on that tiling from another parameter of the move (a linear's weight transpose when
-    its bias, tiled on the same output dim, makes the addmm column-parallel): gathering such a re-layout
-    only hands the op a tile it slices again, and keeps the whole weight for the backward, which can run on
-    the tile and sum its partial input gradient instead (what GSPMD does given the parameters tiled)."""
+def _kept_tiled(state: ShardingState, tiled: dict[int, int], axis: str) -> set[int]:
+    """The re-layouts (transposes, views) of stage-3 parameters that stay tiled: those of a parameter that the
+    forward reads only through them, by ops that already run on that tiling from another parameter of the
+    move (a linear's weight transpose when its bias, tiled on the same output dim, makes the addmm
+    column-parallel). Gathering such a re-layout only hands the op a tile it slices again, and keeps the
+    whole weight for the backward, which can run on the tile and sum its partial input gradient instead (what
+    GSPMD does given the parameters tiled). A parameter the forward gathers anyway keeps every re-layout
+    fenced: the engine reuses the gathered copy in the backward; so does one whose reader the tiles already
+    placed (the batch split) run on another factor of `axis`."""
     p, rules = state.program, state.rules
     kept: set[int] = set()
     for pv, d in tiled.items():
-        chain, frontier, ok = [], [(pv, d)], True
+        chain, frontier, ok, reads = [], [(pv, d)], True, 0
         while frontier and ok:
             v, dv = frontier.pop()
             for o in state.touch[v]:
@@ -157,15 +160,29 @@ def _kept_tiled(state: ShardingState, tiled: dict[int, int]) -> set[int]:
                         break
                     chain.append(out.value)
                     frontier.append((out.value, out.dims.index(f)))
-                elif op.phase is Phase.FORWARD and v != pv:
-                    f = next((t.dims[dv] for t in rule.operands if t.value == v), None)
+                elif op.phase is Phase.FORWARD:
+                    f = None if v == pv else next((t.dims[dv] for t in rule.operands if t.value == v), None)
                     if f is None or not any(t.value != v and t.value in tiled and t.dims[tiled[t.value]] == f
-                                            for t in rule.operands):
+                                            for t in rule.operands) or not _runs_on(state, o, f, axis):
                         ok = False
                         break
-        if ok and chain:
+                    reads += 1
+        if ok and reads and chain:
             kept.update(chain)
     return kept
+
+
+def _runs_on(state: ShardingState, o: int, f: int, axis: str) -> bool:
+    """Whether op `o` may run with factor `f` on `axis`: not assigned another, and no tensor of it tiled on `axis`
+    on a dim that does not carry `f`."""
+    if state.factor_of(o, axis) not in (None, f):
+        return False
+    rule = state.rules[o]
+    for t in (*rule.operands, *rule.results):
+        d = state.shard[t.value]._dim_of.get(axis)
+        if d is not None and t.dims[d] != f:
+            return False
+    return True
 
 
 def _zero_all(state: ShardingState, axis: str, stage: int, first: bool = False) -> list[tuple[str, int]]:
