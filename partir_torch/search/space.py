@@ -179,7 +179,7 @@ def _runs_on(state: ShardingState, o: int, f: int, axis: str) -> bool:
         return False
     rule = state.rules[o]
     for t in (*rule.operands, *rule.results):
-        d = state.shard[t.value]._dim_of.get(axis)
+        d = state.shard[t.value].dim_of(axis)
         if d is not None and t.dims[d] != f:
             return False
     return True
