@@ -6,7 +6,8 @@ from partir_torch.search.budget import Budget, Result
 from partir_torch.search.goals import GOALS, Evaluator, Score
 from partir_torch.search.local import LocalSearch
 from partir_torch.search.mcts import MCTS
-from partir_torch.search.space import ShardOptimizer, candidates, slots
+from partir_torch.search.space import candidates, slots
+from partir_torch.search.zero import ShardOptimizer
 
 __all__ = ["GOALS", "MCTS", "Auto", "Budget", "Evaluator", "InfeasibleError", "LocalSearch", "Result", "Score",
            "SearchConfig", "ShardOptimizer", "candidates", "run_search", "search", "slots"]

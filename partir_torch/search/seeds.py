@@ -25,7 +25,8 @@ import itertools
 from partir_torch.ir.actions import Tile
 from partir_torch.ir.sharding import divides
 from partir_torch.propagate import ShardingState
-from partir_torch.search.space import Action, ShardOptimizer, rank, state_slots
+from partir_torch.search.space import Action, rank, state_slots
+from partir_torch.search.zero import ShardOptimizer
 from partir_torch.tactics import linears, megatron_pairs
 
 ROLES = ("dp", "fsdp", "zero1", "megatron")

@@ -6,16 +6,7 @@ optimizer-sharding slot per parameter group (ZeRO: `ShardOptimizer`). A slot x d
 when the axis is not already used on the slot's value, not fenced there, and divides the dim (times the
 axes already on it). Actions already implied by propagation are therefore never offered again.
 
-`ShardOptimizer(target, dim, axis, stage)` is the ZeRO move for one parameter group (or, with target `*`,
-for every parameter at once, each on its first dim that divides: the expert's move, which a model with
-dozens of distinct layers could not reach one group at a time): the group's per-
-parameter optimizer states (stage 1), and its parameters (stage 3) are tiled on `dim`, while the forward and
-backward ops that read the parameter or write its gradient are fenced on the axis (their other tensors kept
-as they are), so the optimizer's sharding does not leak into the model: a stage-3 parameter is gathered
-where it is used and its gradient reduce-scattered, exactly as `tactics.ZeRO` does for all parameters. One
-exception (`_kept_tiled`): a re-layout of the parameter (a linear's weight transpose) read in the forward only
-by ops that another parameter of the move already tiles the same way (the linear's bias) stays tiled, and the
-backward reads it tiled too: gathering it would hand the op a tile it slices again.
+`ShardOptimizer` (`search/zero.py`) is the ZeRO move for one parameter group or for every parameter.
 
 A plan is an action list in canonical order (`rank`, `Plans`): parameter tiles, then input tiles, then ZeRO
 moves and late parameter tiles (`TileLate`), each kind in the order chosen. Order is priority, so a search that
@@ -33,71 +24,9 @@ from dataclasses import dataclass
 
 from partir_torch.errors import IllegalActionError
 from partir_torch.ir.actions import Tile
-from partir_torch.ir.program import Phase, Program, Role
-from partir_torch.ir.sharding import divides
-from partir_torch.propagate import MOVES, ShardingState
-
-
-@dataclass(frozen=True, order=True)
-class ShardOptimizer:
-    """ZeRO for one parameter (group): optimizer states (stage 1) and the parameter (stage 3) on `dim`."""
-
-    target: str  # a parameter name or group key
-    dim: int
-    axis: str
-    stage: int = 1
-
-    def __str__(self) -> str:
-        return f"zero{self.stage}({self.target}, {self.dim}, {self.axis!r})"
-
-    def apply(self, state: ShardingState) -> None:
-        p = state.program
-        if self.target == "*":  # every parameter with optimizer state, each on its first dim that divides
-            chosen = _zero_all(state, self.axis, self.stage)
-            if not chosen:
-                raise IllegalActionError(f"no optimizer state left to shard on {self.axis!r}")
-            self._fence(state, chosen)  # all fences first: no tile may leak past a later fence
-            for name, d in chosen:
-                self._tiles(state, [name], d)
-            state.actions.append(self)
-            return
-        members = [p.values[v].name for v in state.resolve(self.target)]
-        for name in members:
-            if name not in p.opt_states:
-                raise IllegalActionError(f"{name} has no optimizer state to shard")
-        self._fence(state, [(n, self.dim) for n in members])
-        self._tiles(state, members, self.dim)
-        state.actions.append(self)
-
-    def _fence(self, state: ShardingState, chosen: list[tuple[str, int]]) -> None:
-        p = state.program
-        fence: set[int] = set()
-        own: set[int] = set()
-        members = [n for n, _ in chosen]
-        for name in members:
-            own.update(v for v in (p.params[name], p.grads.get(name)) if v is not None)
-        if self.stage == 3:
-            own |= _kept_tiled(state, dict((p.params[n], d) for n, d in chosen), self.axis)
-        for v in own:
-            for o in state.touch[v]:
-                if p.ops[o].phase is Phase.OPTIMIZER:
-                    continue
-                for t in (*state.rules[o].operands, *state.rules[o].results):
-                    fence.add(t.value)
-        fence -= own
-        if self.stage < 3:
-            fence |= own
-        state.lock(fence, self.axis)
-
-    def _tiles(self, state: ShardingState, members: list[str], dim: int) -> None:
-        p = state.program
-        for name in members:
-            states = [v for s, v in p.opt_states[name].items() if s not in p.shared_states]
-            targets = ([p.params[name]] if self.stage == 3 else []) + states
-            for v in targets:
-                if self.axis in state.shard[v].axes:
-                    continue
-                state.apply(Tile(p.values[v].name, dim, self.axis))
+from partir_torch.ir.program import Program, Role
+from partir_torch.propagate import ShardingState
+from partir_torch.search.zero import ShardOptimizer, fits, zero_all
 
 
 @dataclass(frozen=True, order=True)
@@ -131,75 +60,6 @@ def parse_action(text: str) -> Tile | TileLate | ShardOptimizer:
         return ShardOptimizer(m["target"], int(m["dim"]), m["axis"], int(m["stage"]))
     raise ValueError(f"not a search action: {text!r} (expected tile(target, dim, axis[, late]) or "
                      "zeroN(target, dim, 'axis'))")
-
-
-def _kept_tiled(state: ShardingState, tiled: dict[int, int], axis: str) -> set[int]:
-    """The re-layouts (transposes, views) of stage-3 parameters that stay tiled: those of a parameter that the
-    forward reads only through them, by ops that already run on that tiling from another parameter of the
-    move (a linear's weight transpose when its bias, tiled on the same output dim, makes the addmm
-    column-parallel). Gathering such a re-layout only hands the op a tile it slices again, and keeps the
-    whole weight for the backward, which can run on the tile and sum its partial input gradient instead (what
-    GSPMD does given the parameters tiled). A parameter the forward gathers anyway keeps every re-layout
-    fenced: the engine reuses the gathered copy in the backward; so does one whose reader the tiles already
-    placed (the batch split) run on another factor of `axis`."""
-    p, rules = state.program, state.rules
-    kept: set[int] = set()
-    for pv, d in tiled.items():
-        chain, frontier, ok, reads = [], [(pv, d)], True, 0
-        while frontier and ok:
-            v, dv = frontier.pop()
-            for o in state.touch[v]:
-                op, rule = p.ops[o], rules[o]
-                if op.phase is Phase.OPTIMIZER or o == p.values[v].producer:
-                    continue
-                if rule.name in MOVES and len(rule.operands) == 1 and len(rule.results) == 1:
-                    f = rule.operands[0].dims[dv]
-                    out = rule.results[0]
-                    if f is None or f not in out.dims:
-                        ok = False
-                        break
-                    chain.append(out.value)
-                    frontier.append((out.value, out.dims.index(f)))
-                elif op.phase is Phase.FORWARD:
-                    f = None if v == pv else next((t.dims[dv] for t in rule.operands if t.value == v), None)
-                    if f is None or not any(t.value != v and t.value in tiled and t.dims[tiled[t.value]] == f
-                                            for t in rule.operands) or not _runs_on(state, o, f, axis):
-                        ok = False
-                        break
-                    reads += 1
-        if ok and reads and chain:
-            kept.update(chain)
-    return kept
-
-
-def _runs_on(state: ShardingState, o: int, f: int, axis: str) -> bool:
-    """Whether op `o` may run with factor `f` on `axis`: not assigned another, and no tensor of it tiled on `axis`
-    on a dim that does not carry `f`."""
-    if state.factor_of(o, axis) not in (None, f):
-        return False
-    rule = state.rules[o]
-    for t in (*rule.operands, *rule.results):
-        d = state.shard[t.value].dim_of(axis)
-        if d is not None and t.dims[d] != f:
-            return False
-    return True
-
-
-def _zero_all(state: ShardingState, axis: str, stage: int, first: bool = False) -> list[tuple[str, int]]:
-    """What `ShardOptimizer("*", -1, axis, stage)` tiles: (parameter, its first dim that divides); `first`:
-    stop at the first one (is the move legal?)."""
-    p = state.program
-    chosen = []
-    for name, st in p.opt_states.items():
-        per = [v for s, v in st.items() if s not in p.shared_states]
-        pv = p.params[name]
-        for d in range(len(p.values[pv].shape)):
-            if per and _fits(state, per[0], d, axis) and (stage < 3 or _fits(state, pv, d, axis)):
-                chosen.append((name, d))
-                if first:
-                    return chosen
-                break
-    return chosen
 
 
 Action = Tile | TileLate | ShardOptimizer
@@ -248,13 +108,6 @@ def state_slots(state: ShardingState) -> list[Slot]:
     return an.search_slots
 
 
-def _fits(state: ShardingState, v: int, dim: int, axis: str) -> bool:
-    val, sh = state.program.values[v], state.shard[v]
-    if axis in sh.axes or axis in state.locked[v]:
-        return False
-    return divides(val.shape[dim], state.mesh, (*sh.dims[dim], axis))
-
-
 def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str], *,
                prune: bool = True) -> list[Action]:
     """Legal, not-yet-implied actions on `axes` for slots of `kinds` (input, param, optimizer), sorted.
@@ -273,7 +126,7 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
                 if any(s not in p.shared_states and not state.shard[v].axes for s, v in st.items())]
         if free:  # and legal: some parameter's state (and, stage 3, the parameter) still divides
             out += [ShardOptimizer("*", -1, axis, stage) for axis in axes for stage in (1, 3)
-                    if _zero_all(state, axis, stage, first=True)]
+                    if zero_all(state, axis, stage, first=True)]
     for s in state_slots(state):
         if s.kind not in kinds:
             continue
@@ -283,13 +136,13 @@ def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str
             have: set[int] = set()  # the ZeRO stages offered for this slot on this axis
             for d in range(len(p.values[s.value].shape)):
                 if s.kind == "optimizer":  # one dim per stage: which one is tiled barely changes the cost
-                    if st and 1 not in have and _fits(state, st[0], d, axis):
+                    if st and 1 not in have and fits(state, st[0], d, axis):
                         out.append(ShardOptimizer(s.target, d, axis, 1))
                         have.add(1)
-                    if st and 3 not in have and _fits(state, st[0], d, axis) and _fits(state, s.value, d, axis):
+                    if st and 3 not in have and fits(state, st[0], d, axis) and fits(state, s.value, d, axis):
                         out.append(ShardOptimizer(s.target, d, axis, 3))
                         have.add(3)
-                elif _fits(state, s.value, d, axis):
+                elif fits(state, s.value, d, axis):
                     out.append(Tile(s.target, d, axis))
     return out
 

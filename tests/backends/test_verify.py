@@ -177,7 +177,7 @@ def test_a_gradient_summed_over_every_axis_is_reduced_to_the_tiles_the_optimizer
 def test_a_stage3_weight_read_by_a_linear_its_bias_tiles_is_not_gathered():
     """zero3(*) on `model` with the batch on `batch`: the `Gated` linears' biases, tiled on their output dim,
     make each addmm column-parallel, so the plan keeps the weights' transposes tiled and sums the partial input
-    gradients over `model` (`search.space._kept_tiled`), which is what GSPMD does given the tiled parameters.
+    gradients over `model` (`search.zero.kept_tiled`), which is what GSPMD does given the tiled parameters.
     When the plan gathered those transposes, XLA did not: it all-reduced the partial input gradients instead
     (GNS's node MLPs: all-gather 0.71, all-reduce 1.14 of the prediction)."""
     from partir_torch import capture
@@ -185,7 +185,7 @@ def test_a_stage3_weight_read_by_a_linear_its_bias_tiles_is_not_gathered():
     from partir_torch.ir import Mesh, Tile
     from partir_torch.plan import ShardingPlan
     from partir_torch.propagate import ShardingState
-    from partir_torch.search.space import ShardOptimizer
+    from partir_torch.search.zero import ShardOptimizer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), Gated())
