@@ -6,10 +6,7 @@ dozens of distinct layers could not reach one group at a time): the group's per-
 parameter optimizer states (stage 1), and its parameters (stage 3) are tiled on `dim`, while the forward and
 backward ops that read the parameter or write its gradient are fenced on the axis (their other tensors kept
 as they are), so the optimizer's sharding does not leak into the model: a stage-3 parameter is gathered
-where it is used and its gradient reduce-scattered, exactly as `tactics.ZeRO` does for all parameters. One
-exception (`kept_tiled`): a re-layout of the parameter (a linear's weight transpose) read in the forward only
-by ops that another parameter of the move already tiles the same way (the linear's bias) stays tiled, and the
-backward reads it tiled too: gathering it would hand the op a tile it slices again.
+where it is used and its gradient reduce-scattered, exactly as `tactics.ZeRO` does for all parameters.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from partir_torch.errors import IllegalActionError
 from partir_torch.ir.actions import Tile
 from partir_torch.ir.program import Phase
 from partir_torch.ir.sharding import divides
-from partir_torch.propagate import MOVES, ShardingState
+from partir_torch.propagate import ShardingState
 
 
 @dataclass(frozen=True, order=True)
@@ -41,7 +38,7 @@ class ShardOptimizer:
             chosen = zero_all(state, self.axis, self.stage)
             if not chosen:
                 raise IllegalActionError(f"no optimizer state left to shard on {self.axis!r}")
-            self._fence(state, chosen)  # all fences first: no tile may leak past a later fence
+            self._fence(state, [n for n, _ in chosen])  # all fences first: no tile may leak past a later fence
             for name, d in chosen:
                 self._tiles(state, [name], d)
             state.actions.append(self)
@@ -50,25 +47,25 @@ class ShardOptimizer:
         for name in members:
             if name not in p.opt_states:
                 raise IllegalActionError(f"{name} has no optimizer state to shard")
-        self._fence(state, [(n, self.dim) for n in members])
+        self._fence(state, members)
         self._tiles(state, members, self.dim)
         state.actions.append(self)
 
-    def _fence(self, state: ShardingState, chosen: list[tuple[str, int]]) -> None:
+    def _fence(self, state: ShardingState, members: list[str]) -> None:
         p = state.program
         fence: set[int] = set()
         own: set[int] = set()
-        members = [n for n, _ in chosen]
         for name in members:
-            own.update(v for v in (p.params[name], p.grads.get(name)) if v is not None)
-        if self.stage == 3:
-            own |= kept_tiled(state, dict((p.params[n], d) for n, d in chosen), self.axis)
-        for v in own:
-            for o in state.touch[v]:
-                if p.ops[o].phase is Phase.OPTIMIZER:
+            pv, gv = p.params[name], p.grads.get(name)
+            own.update(v for v in (pv, gv) if v is not None)
+            for v in (pv, gv):
+                if v is None:
                     continue
-                for t in (*state.rules[o].operands, *state.rules[o].results):
-                    fence.add(t.value)
+                for o in state.touch[v]:
+                    if p.ops[o].phase is Phase.OPTIMIZER:
+                        continue
+                    for t in (*state.rules[o].operands, *state.rules[o].results):
+                        fence.add(t.value)
         fence -= own
         if self.stage < 3:
             fence |= own
@@ -83,58 +80,6 @@ class ShardOptimizer:
                 if self.axis in state.shard[v].axes:
                     continue
                 state.apply(Tile(p.values[v].name, dim, self.axis))
-
-
-def kept_tiled(state: ShardingState, tiled: dict[int, int], axis: str) -> set[int]:
-    """The re-layouts (transposes, views) of stage-3 parameters that stay tiled: those of a parameter that the
-    forward reads only through them, by ops that already run on that tiling from another parameter of the
-    move (a linear's weight transpose when its bias, tiled on the same output dim, makes the addmm
-    column-parallel). Gathering such a re-layout only hands the op a tile it slices again, and keeps the
-    whole weight for the backward, which can run on the tile and sum its partial input gradient instead (what
-    GSPMD does given the parameters tiled). A parameter the forward gathers anyway keeps every re-layout
-    fenced: the engine reuses the gathered copy in the backward; so does one whose reader the tiles already
-    placed (the batch split) run on another factor of `axis`."""
-    p, rules = state.program, state.rules
-    kept: set[int] = set()
-    for pv, d in tiled.items():
-        chain, frontier, ok, reads = [], [(pv, d)], True, 0
-        while frontier and ok:
-            v, dv = frontier.pop()
-            for o in state.touch[v]:
-                op, rule = p.ops[o], rules[o]
-                if op.phase is Phase.OPTIMIZER or o == p.values[v].producer:
-                    continue
-                if rule.name in MOVES and len(rule.operands) == 1 and len(rule.results) == 1:
-                    f = rule.operands[0].dims[dv]
-                    out = rule.results[0]
-                    if f is None or f not in out.dims:
-                        ok = False
-                        break
-                    chain.append(out.value)
-                    frontier.append((out.value, out.dims.index(f)))
-                elif op.phase is Phase.FORWARD:
-                    f = None if v == pv else next((t.dims[dv] for t in rule.operands if t.value == v), None)
-                    if f is None or not any(t.value != v and t.value in tiled and t.dims[tiled[t.value]] == f
-                                            for t in rule.operands) or not runs_on(state, o, f, axis):
-                        ok = False
-                        break
-                    reads += 1
-        if ok and reads and chain:
-            kept.update(chain)
-    return kept
-
-
-def runs_on(state: ShardingState, o: int, f: int, axis: str) -> bool:
-    """Whether op `o` may run with factor `f` on `axis`: not assigned another, and no tensor of it tiled on `axis`
-    on a dim that does not carry `f`."""
-    if state.factor_of(o, axis) not in (None, f):
-        return False
-    rule = state.rules[o]
-    for t in (*rule.operands, *rule.results):
-        d = state.shard[t.value].dim_of(axis)
-        if d is not None and t.dims[d] != f:
-            return False
-    return True
 
 
 def zero_all(state: ShardingState, axis: str, stage: int, first: bool = False) -> list[tuple[str, int]]:

@@ -189,4 +189,3 @@ def test_an_action_printed_in_a_plans_log_parses_back_to_itself():
         assert parse_action(str(a)) == a
     with pytest.raises(ValueError, match="not a search action"):
         parse_action("replicate(x, batch)")
-
