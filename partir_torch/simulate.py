@@ -27,7 +27,7 @@ from partir_torch.ir.program import Program, Ref
 from partir_torch.ir.sharding import Sharding
 from partir_torch.lower import Collective, lower, required_operand, transitions
 from partir_torch.propagate import ShardingState
-from partir_torch.rules.base import op_tags
+from partir_torch.rules.base import op_tags, tensor_args
 from partir_torch.rules.random import SEEDED_TAG
 
 SPLITS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.unsafe_split.Tensor",
@@ -173,6 +173,8 @@ def simulate(
                 layout[v] = state.shard[v]
             continue
         operands = [convert(t.value, required_operand(state, op.id, i)) for i, t in enumerate(rule.operands)]
+        if not rule.operands and (meta := tensor_args(op)):  # read for dtype and device only (`new_zeros`)
+            operands = [env[v] for v in meta]
         out_locals: list[list[torch.Tensor]] = [[] for _ in results]
         contiguous = op.target in ("aten.view.default", "aten._unsafe_view.default")
         for d in range(len(m.coords)):

@@ -119,7 +119,7 @@ class Static:
                         root[o] = root[op.inputs[0]]
         last = [-1] * n_vals
         for op in ops:
-            for i in op.inputs:
+            for i in op.inputs if rules[op.id].operands else ():  # (no operand: read for its dtype, `new_zeros`)
                 r = root[i]
                 last[r] = max(last[r], op.id)
         mem_w = [1] * n_vals

@@ -184,11 +184,11 @@ def packed(op: Op, program: Program) -> OpRule:
 @register("aten.new_zeros.default", "aten.new_ones.default", "aten.new_empty.default", "aten.new_full.default",
           "aten.new_empty_strided.default")
 def new_fill(op: Op, program: Program) -> OpRule:
-    """A new tensor of a given size; the operand only supplies dtype and device."""
-    x = tensor_args(op)[0]
+    """A new tensor of a given size; the tensor argument only supplies dtype and device, so it is no operand:
+    its sharding is never needed (as an operand read replicated, T5's `_shift_right` and an embedding's
+    backward were planned to gather it; XLA does not)."""
     r = len(program.values[op.outputs[0]].shape)
-    return spec_rule(op, program, "_" * len(program.values[x].shape) + "->" + LETTERS[:r], reduced=("",),
-                     name="fill")
+    return spec_rule(op, program, "->" + LETTERS[:r], operands=[], name="fill")
 
 
 @register("aten.upsample_nearest2d_backward.default", "aten.upsample_nearest2d.default",

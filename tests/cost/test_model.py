@@ -102,6 +102,47 @@ def test_memory_accounts_sharding():
     assert not tight.feasible and "DOES NOT FIT" in str(tight)
 
 
+
+class _Double(torch.autograd.Function):
+    """y * 2, saving a wide tensor whose backward reads it for its dtype only, or (`values`) its values."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, wide: torch.Tensor, values: bool) -> torch.Tensor:
+        ctx.save_for_backward(wide)
+        ctx.values = values
+        return y * 2
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (wide,) = ctx.saved_tensors
+        temp = torch.cos(g.repeat(1, 64)).sum(1, keepdim=True)  # a backward temporary as wide as `wide`
+        return g * 2 + temp + (wide[:, : g.shape[1]] if ctx.values else wide.new_zeros(g.shape)), None, None
+
+
+class _Saved(nn.Module):
+    """Not a zoo model: a wide tensor saved for the backward, which reads it for its dtype or its values."""
+
+    def __init__(self, values: bool) -> None:
+        super().__init__()
+        self.a, self.values = nn.Linear(16, 16), values
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = torch.tanh(self.a(x)).repeat(1, 64)  # [8, 1024], read by the forward too
+        return _Double.apply(wide[:, :16], wide, self.values)
+
+
+def test_a_tensor_read_only_for_its_dtype_is_not_kept_alive():
+    """`new_zeros` reads its tensor for dtype and device only: a wide tensor the backward reads so dies where
+    it is made, and the peak (in the backward) is under the one of the model that reads its values there by
+    all of the tensor's 32 KiB."""
+    x = torch.randn(8, 16)
+    peaks = {}
+    for values in (True, False):
+        p = capture(_Saved(values), (x,), lambda m, t: m(t).square().mean(), "sgd")
+        peaks[values] = evaluate(ShardingState(p, Mesh.parse("x=1")), hardware("cpu-virtual")).peak_memory_bytes
+    assert peaks[True] - peaks[False] >= 8 * 1024 * 4, peaks
+
+
 def test_attention_without_flash_kernel_saves_probabilities():
     """Without a flash kernel the [B, H, T, S] probabilities are saved instead of the [B, H, T] log-sum-exp:
     the peak (at the loss, where every layer's saved tensors are live) grows by exactly (S - 1) times the

@@ -390,3 +390,30 @@ def test_index_add_with_its_source_rows_tiled_is_a_sum_pending_over_their_axis()
     assert not [c for c in res.collectives if c.value == add.inputs[2] and c.axis == "x"], res.collectives
     assert any(c.value == add.outputs[0] and c.axis == "x" and c.kind in ("all-reduce", "reduce-scatter")
                for c in res.collectives)
+
+
+def _shift_right(s, x):
+    """T5's `_shift_right` on a float tensor, and tensors made from another's dtype only."""
+    shifted = x.new_zeros(x.shape)
+    shifted[:, 1:] = (x * s.w)[:, :-1]
+    return shifted + x.new_ones(8, 4) * s.b + x.new_full((8, 4), 2.0)
+
+
+@SETTINGS
+@given(st.data())
+def test_new_tensors_made_from_a_tiled_tensor(data):
+    check(Lambda(_shift_right, w=r(4), b=r(4)), (r(8, 4),), data)
+
+
+def test_a_new_tensor_does_not_gather_the_tensor_it_takes_its_dtype_from():
+    """`x.new_zeros(shape)` reads only x's dtype and device: with x tiled over the batch, nothing is gathered
+    for it (the operand was read replicated, an all-gather XLA never makes: 4 KiB on a Whisper decoder)."""
+    from partir_torch.ir import Mesh, Tile
+    from partir_torch.lower import lower
+    from tests.rules.harness import run_plan
+
+    state, res = run_plan(Lambda(_shift_right, w=r(4), b=r(4)), (r(8, 4),), Mesh.parse("x=2"),
+                          [Tile("inputs[0]", 0, "x")])
+    p = state.program
+    assert not [c for c in lower(state) if c.op >= 0 and p.ops[c.op].target.startswith("aten.new_")]
+    assert res.max_rel_diff <= 1e-5 and res.replica_mismatch <= 1e-5
