@@ -124,7 +124,9 @@ def index(op: Op, program: Program) -> OpRule:
 @register("aten.index_put.default", "aten._unsafe_index_put.default")
 def index_put(op: Op, program: Program) -> OpRule:
     """`x[indices] = values` (or `+=` with accumulate): `values` is aligned to `x[indices]` from the right;
-    the dims no index touches tile in x, values and the result alike."""
+    the dims no index touches tile in x, values and the result alike. With accumulate, the index's own dims
+    (an embedding backward's tokens) tile as a sum, as index_add's rows do: each device adds its values, x
+    joins the sum once and the result is pending over the axis (a put that overwrites keeps them whole)."""
     x, *_ = tensor_args(op)
     indices = list(arg(op, 1))
     values = tensor_args(op)[-1]
@@ -133,8 +135,11 @@ def index_put(op: Op, program: Program) -> OpRule:
     sel_shape = _index_shape(program, x, indices)
     vs = "".join("_" if (vshape[i] == 1 and sel_shape[n - len(vshape) + i] != 1) else sel[n - len(vshape) + i]
                  for i in range(len(vshape)))
-    return spec_rule(op, program, ",".join([xs, *ispecs, vs]) + "->" + xs, replicate=rep, reduced=("",),
-                     name="index_put")
+    spec = ",".join([xs, *ispecs, vs]) + "->" + xs
+    if arg(op, 3, "accumulate", False):
+        hidden = "".join(xs[d] for d in range(len(xs)) if d < len(indices) and indices[d] is not None)
+        return spec_rule(op, program, spec, replicate=hidden, partialize=(0,), name="index_put_add")
+    return spec_rule(op, program, spec, replicate=rep, reduced=("",), name="index_put")
 
 
 def _index_shape(program: Program, x: int, indices: list) -> list[int]:

@@ -392,6 +392,25 @@ def test_index_add_with_its_source_rows_tiled_is_a_sum_pending_over_their_axis()
                for c in res.collectives)
 
 
+
+def test_a_table_indexed_by_a_batch_tiled_index_sums_its_gradient_over_the_batch():
+    """`table[positions]` with the batch tiled (Whisper's position embedding): the backward's accumulating
+    index_put adds each device's rows into its own copy of the table, whose sum is reduced over the batch
+    axis, instead of gathering the gradient's rows (4 KiB on a Whisper decoder that XLA never gathers)."""
+    from partir_torch.ir import Mesh, Tile
+    from tests.rules.harness import run_plan
+
+    positions = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4], [2, 3, 4, 5], [0, 0, 1, 1]])
+    m = Lambda(lambda s, x: torch.tanh(x + s.table[positions]), table=r(6, 8))
+    state, res = run_plan(m, (r(4, 4, 8),), Mesh.parse("x=2,y=2"), [Tile("inputs[0]", 0, "x")])
+    assert res.max_rel_diff < 1e-5 and res.replica_mismatch < 1e-6, res.diffs
+    prog = state.program
+    put = next(o for o in prog.ops if o.target.startswith("aten.index_put") or "index_put" in o.target)
+    assert state.op_output(put.id, 0).partial == {"x"}
+    assert not [c for c in res.collectives if c.op == put.id], res.collectives  # nothing gathered for it
+    assert any(c.kind == "all-reduce" and c.axis == "x" and prog.values[c.value].name == "grad[table]"
+               for c in res.collectives), res.collectives
+
 def _shift_right(s, x):
     """T5's `_shift_right` on a float tensor, and tensors made from another's dtype only."""
     shifted = x.new_zeros(x.shape)
