@@ -73,6 +73,7 @@ from partir_torch.capture.attribution import Constants, call_name, counted
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
 from partir_torch.plan import ShardingPlan, divisibility
+from partir_torch.rules.conv import depthwise
 
 log = logging.getLogger(__name__)
 
@@ -414,14 +415,12 @@ class _GroupedConv(torch.autograd.Function):
         else:
             if ctx.needs_input_grad[0]:
                 grad_input = getattr(torch.nn.grad, f"conv{d}d_input")
-                if all(a == b for a, b in pads):
-                    padding = [a for a, _ in pads]
-                    gx = sum(grad_input(x.shape, weight[j::m], gy[:, j::m], stride, padding, dilation, groups)
-                             for j in range(m))
-                else:
-                    padded = [*x.shape[:2], *(s + a + b for s, (a, b) in zip(x.shape[2:], pads))]
-                    gx = sum(grad_input(padded, weight[j::m], gy[:, j::m], stride, 0, dilation, groups)
-                             for j in range(m))
+                same = all(a == b for a, b in pads)  # the convolution's own padding, else a padded input's
+                shape = x.shape if same else [*x.shape[:2], *(s + a + b for s, (a, b) in zip(x.shape[2:], pads))]
+                padding = [a for a, _ in pads] if same else 0
+                gx = sum(grad_input(shape, weight[j::m], gy[:, j::m], stride, padding, dilation, groups)
+                         for j in range(m))
+                if not same:
                     gx = gx[(slice(None), slice(None), *(slice(a, a + s) for s, (a, _) in zip(x.shape[2:], pads)))]
             if ctx.needs_input_grad[1]:
                 gw = _weight_grad(x, gy, weight.shape, stride, pads, dilation, groups)
@@ -956,7 +955,7 @@ def _grouped_conv_weights(model: nn.Module) -> set[str]:
     it would be gathered."""
     return {f"{path}.weight" if path else "weight" for path, m in model.named_modules()
             if isinstance(m, nn.modules.conv._ConvNd) and m.groups > 1
-            and not m.groups == m.in_channels == m.out_channels}
+            and not depthwise(m.in_channels, m.weight.shape, m.groups)}
 
 
 def _batch_hook(rec: Sharded):

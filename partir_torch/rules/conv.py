@@ -9,11 +9,15 @@ from partir_torch.rules.base import OpRule, arg, register, spec_rule, tensor_arg
 _SP_IN, _SP_OUT, _SP_K = "HWD", "PQR", "KLM"
 
 
+def depthwise(in_channels: int, weight_shape, groups: int) -> bool:
+    """Whether a convolution (plain or transposed) is depthwise without a multiplier: a group per channel, in
+    and out. Its channels are then independent, and tile like its batch (the group is the channel); the
+    engine (`backends/xla`) asks the same of a module, so that both treat the same convolutions so."""
+    return groups > 1 and in_channels == groups and weight_shape[0] == groups and weight_shape[1] == 1
+
+
 def _depthwise(program: Program, x: int, w: int, groups: int) -> bool:
-    """Whether the convolution is depthwise without a multiplier: a group per channel, in and out. Its
-    channels are then independent, and tile like its batch (the group is the channel)."""
-    cin, ws = program.values[x].shape[1], program.values[w].shape
-    return groups > 1 and cin == groups and ws[0] == groups and ws[1] == 1
+    return depthwise(program.values[x].shape[1], program.values[w].shape, groups)
 
 
 @register("aten.convolution.default")
