@@ -32,7 +32,7 @@ from partir_torch.analysis import Analysis
 from partir_torch.errors import IllegalActionError, PartirError
 from partir_torch.ir.actions import Replicate, Tile
 from partir_torch.ir.mesh import Mesh
-from partir_torch.ir.program import Program
+from partir_torch.ir.program import Phase, Program
 from partir_torch.ir.sharding import Sharding, tile_count
 from partir_torch.rules.base import OpRule
 
@@ -87,6 +87,7 @@ class ShardingState:
         self.assign: list[dict[int, tuple[str, ...]]] = [{} for _ in program.ops]
         self.passthrough: list[frozenset[str]] = [frozenset()] * len(program.ops)  # partial axes moved through
         self.locked: list[frozenset[str]] = [frozenset()] * len(program.values)
+        self.gathered: dict[tuple[int, str], frozenset[int]] = {}  # (op, axis) -> parameters it reads gathered
         self.conflicts: list[Conflict] = []
         self.actions: list[Tile | Replicate] = []
         self.changed: set[int] = set()  # values whose sharding left the replicated default
@@ -100,6 +101,7 @@ class ShardingState:
         new.rules, new.touch, new.peers, new.templates = self.rules, self.touch, self.peers, self.templates
         new.shard, new.locked, new.passthrough = list(self.shard), list(self.locked), list(self.passthrough)
         new.assign = list(self.assign)  # the dicts are copied on write (`_step`)
+        new.gathered = self.gathered  # (replaced, never changed in place: `gather_at_use`)
         new.conflicts, new.actions, new.changed = list(self.conflicts), list(self.actions), set(self.changed)
         sealed = self.seal()
         sealed.forked = True
@@ -155,6 +157,19 @@ class ShardingState:
         for v in values:
             if axis not in self.shard[v].axes:
                 self.locked[v] = self.locked[v] | {axis}
+
+    def gather_at_use(self, params: Iterable[int], axis: str) -> None:
+        """Each forward op reading one of `params` reads it gathered on `axis`: the parameter's tiling on `axis`
+        does not decide the factor the op runs on (ZeRO-3: a parameter is gathered where it is used, as FSDP
+        does, rather than its reader running on the parameter's tile and gathering the reader's other
+        tensors: a column-parallel addmm from a tiled bias, its output gathered)."""
+        p = self.program
+        gathered = dict(self.gathered)
+        for v in params:
+            for o in p.users[v]:
+                if p.ops[o].phase is Phase.FORWARD:
+                    gathered[o, axis] = gathered.get((o, axis), frozenset()) | {v}
+        self.gathered = gathered
 
     def try_apply(self, action: Tile | Replicate) -> bool:
         """Apply if legal; the search uses this to skip illegal actions."""
@@ -245,9 +260,10 @@ class ShardingState:
             cands: dict[int, list[int]] = {}
             stray: list[tuple[int, int]] = []  # tensors tiled on `axis` on a dim that carries no factor
             shard = self.shard
+            deaf = self.gathered.get((o, axis), ()) if self.gathered else ()  # (`gather_at_use`)
             for v, dims in tensors:
                 d = shard[v]._dim_of.get(axis)
-                if d is None:
+                if d is None or v in deaf:
                     continue
                 fd = dims[d]
                 if fd is None:

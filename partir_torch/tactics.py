@@ -264,6 +264,8 @@ class ZeRO(_OnOneAxis):
         state.lock(fenced, self.axis)
         if self.stage < 3:
             state.lock(p.params.values(), self.axis)
+        else:
+            state.gather_at_use(p.params.values(), self.axis)
         for name, states in p.opt_states.items():
             per_param = [v for s, v in states.items() if s not in p.shared_states]
             if not per_param:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,7 @@ class XlaStep:
     loss: float
     collectives: list[HloCollective]
     memory_total: int | None
-    hlo_path: str
+    hlo_path: str | None  # the step's HLO text, when its dump was kept (`dump_dir` given)
     compile_s: float
     params_after: dict[str, list] | None = None
     memory_breakdown: dict[str, int] | None = None
@@ -62,9 +63,21 @@ def run(plan: ShardingPlan, source: dict[str, Any], *, optimizer: str | None = N
         numerics: bool = False, seed: int = 0, lowerings: dict[str, bool] | None = None,
         return_params: bool = False, timeout: float = 900, dump_dir: str | None = None) -> XlaStep:
     """Run `steps` training steps of the model of `source` ({"workload": spec, "overrides": {...}} or
-    {"pickle": path}) under `plan` in a fresh torch_xla process; read the step's partitioned HLO."""
+    {"pickle": path}) under `plan` in a fresh torch_xla process; read the step's partitioned HLO. The dump
+    (tens of MiB a step) is deleted once read, unless it goes under the caller's `dump_dir`."""
     mesh = Mesh.of(plan.mesh)
     dump = tempfile.mkdtemp(prefix="partir-xla-", dir=dump_dir)  # fresh: the largest module is the step
+    try:
+        return _run(plan, source, dump, mesh, optimizer=optimizer, steps=steps, numerics=numerics, seed=seed,
+                    lowerings=lowerings, return_params=return_params, timeout=timeout, kept=dump_dir is not None)
+    finally:
+        if dump_dir is None:
+            shutil.rmtree(dump, ignore_errors=True)
+
+
+def _run(plan: ShardingPlan, source: dict[str, Any], dump: str, mesh: Mesh, *, optimizer: str | None, steps: int,
+         numerics: bool, seed: int, lowerings: dict[str, bool] | None, return_params: bool, timeout: float,
+         kept: bool) -> XlaStep:
     job = {"source": source, "plan": plan.to_json(), "optimizer": optimizer, "steps": steps, "numerics": numerics,
            "seed": seed, "lowerings": lowerings or {}, "return_params": return_params}
     path = os.pathsep.join(p for p in sys.path if p)  # the caller's modules (a pickled model's classes) import there
@@ -83,7 +96,7 @@ def run(plan: ShardingPlan, source: dict[str, Any], *, optimizer: str | None = N
     out = json.loads(res.stdout.strip().splitlines()[-1])
     hlo, mem = find_step_module(dump)
     return XlaStep(out["loss"], read_collectives(hlo.read_text(), list(mesh.axes)),
-                   read_memory_total(mem.read_text()) if mem else None, str(hlo), out["compile_s"],
+                   read_memory_total(mem.read_text()) if mem else None, str(hlo) if kept else None, out["compile_s"],
                    out.get("params_after"), read_memory_breakdown(mem.read_text()) if mem else None,
                    out["losses"], out.get("reference_losses"), out.get("max_abs_diff"), out.get("max_rel_diff"),
                    out.get("state_shardings"), read_donated_copies(hlo.read_text(), _read(_assignment(hlo))))

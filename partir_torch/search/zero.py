@@ -70,6 +70,8 @@ class ShardOptimizer:
         if self.stage < 3:
             fence |= own
         state.lock(fence, self.axis)
+        if self.stage == 3:
+            state.gather_at_use([p.params[n] for n in members], self.axis)
 
     def _tiles(self, state: ShardingState, members: list[str], dim: int) -> None:
         p = state.program

@@ -14,3 +14,29 @@ def test_a_tensor_that_stays_about_zero_is_compared_against_the_floor_not_its_ow
     # a tensor of real size keeps its own scale: 1e-4 off on values of 1e-3 is 10 % off
     assert max_relative([(1e-4, 1e-3), (0.0, 5.0)]) == pytest.approx(0.1)
     assert max_relative([]) == 0.0
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_hlo_dump_is_deleted_once_read_unless_the_caller_keeps_it(tmp_path, monkeypatch, keep):
+    """A step's dump is tens of MiB (the disk of an earlier CI run filled up with leftovers)."""
+    import tempfile
+
+    from partir_torch.backends import xla_worker
+    from partir_torch.search import search
+
+    pytest.importorskip("torch_xla")
+    from partir_torch import models
+
+    model, inputs, loss_fn = models.build("tiny-mlp", {"batch": "8"}, device="meta")
+    plan = search(model, inputs, "batch=2", loss_fn=loss_fn, optimizer="sgd", schedule="batch:BatchParallel")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    step = xla_worker.run(plan, {"workload": "tiny-mlp", "overrides": {"batch": "8"}}, optimizer="sgd",
+                          dump_dir=str(kept) if keep else None)
+    assert step.collectives and step.memory_total
+    dumps = [p for p in scratch.iterdir() if p.name.startswith("partir-xla-")]
+    assert dumps == [] and (step.hlo_path is not None) == keep
+    assert (len(list(kept.iterdir())) == 1) == keep
