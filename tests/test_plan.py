@@ -76,7 +76,7 @@ def test_a_saved_plan_has_everything_to_apply_it_and_loads_back(tmp_path):
     model, inputs, plan = _tiny_plan("batch=2:dcn,model=4")
     plan.save(tmp_path / "p.json")
     d = json.loads((tmp_path / "p.json").read_text())
-    assert d["format"] == 4 and d["mesh"] == {"axes": {"batch": 2, "model": 4}, "dcn": ["batch"]}
+    assert d["format"] == 5 and d["mesh"] == {"axes": {"batch": 2, "model": 4}, "dcn": ["batch"]}
     assert d["hardware"] == "cpu-virtual" and d["schedule"] == "batch:BatchParallel;model:Megatron"
     assert d["optimizer"] == "adamw" and len(d["program_hash"]) == 16
     assert d["input_args"] == [0, None]  # tokens reach forward() as its first argument, targets do not

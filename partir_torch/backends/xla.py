@@ -912,7 +912,9 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
     for n, spec in plan.grads.items():  # parameter gradients reduced as planned
         p = params.get(n)
         if p is not None and p.requires_grad and spec is not None:  # replicated ones too (as parameters)
-            rec.handles.append(p.register_hook(grad_hook(mesh, _spec(spec, p.dim()), whole_first=n in grouped)))
+            made = plan.grads_made.get(n)
+            first = (_spec(made, p.dim()) if made is not None else (None,) * p.dim() if n in grouped else None)
+            rec.handles.append(p.register_hook(grad_hook(mesh, _spec(spec, p.dim()), first=first)))
     rec.handles.append(model.register_forward_pre_hook(_batch_hook(rec), with_kwargs=True))
     if rec.lowerings is not None:
         rec.lowerings.compiling = plan.compiling
@@ -926,23 +928,24 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
         rec.handles.append(model.register_forward_hook(rec.lowerings.leave, always_call=True))
 
 
-def grad_hook(mesh, spec: tuple, *, whole_first: bool = False) -> Callable[[torch.Tensor], torch.Tensor | None]:
-    """A parameter's gradient hook: the gradient constrained to `spec`, as the plan keeps it; `whole_first`:
-    constrained replicated first, as the plan makes it, then to `spec` (`_grouped_conv_weights`)."""
-    if not whole_first or all(e is None for e in spec):
+def grad_hook(mesh, spec: tuple, *, first: tuple | None = None) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """A parameter's gradient hook: the gradient constrained to `spec`, as the plan keeps it; with `first`,
+    constrained to `first` before, as the plan makes it (`plan.grads_made`; replicated for a grouped
+    convolution's weight, `_grouped_conv_weights`)."""
+    if first is None or first == spec:
         def mark(g: torch.Tensor) -> None:
             _mark(g, mesh, spec)
 
         return mark
 
-    def made_whole(g: torch.Tensor) -> torch.Tensor:
+    def made_first(g: torch.Tensor) -> torch.Tensor:
         g = g.clone()
-        _mark(g, mesh, (None,) * g.dim())
+        _mark(g, mesh, first)
         g = g.clone()
         _mark(g, mesh, spec)
         return g
 
-    return made_whole
+    return made_first
 
 
 def _grouped_conv_weights(model: nn.Module) -> set[str]:

@@ -609,7 +609,7 @@ def test_a_grouped_convolution_s_weight_gradient_is_made_whole_before_it_is_tile
     and then tiled. Constrained to the tiles directly, with the output channel-tiled (a RegNetY stage under a
     searched plan), GSPMD partitions the weight-gradient convolution over 2 channel tiles of 3 groups and
     XLA 2.9 aborts the process in its convolution handler; the backend's hook for such a weight
-    (`grad_hook(..., whole_first=True)`, chosen by `_grouped_conv_weights`) has XLA make it whole first."""
+    (`grad_hook(..., first=replicated)`, chosen by `_grouped_conv_weights`) has XLA make it whole first."""
     import torch_xla
 
     from partir_torch.backends.xla import _grouped_conv_weights, constrain, device_mesh, grad_hook
@@ -626,7 +626,7 @@ def test_a_grouped_convolution_s_weight_gradient_is_made_whole_before_it_is_tile
     conv = copy.deepcopy(model[1]).to(torch_xla.device())
     conv.weight.grad = None
     partir_torch.backends.xla._mark(conv.weight, mesh, ("batch", None, None, None))
-    conv.weight.register_hook(grad_hook(mesh, ("batch", None, None, None), whole_first=True))
+    conv.weight.register_hook(grad_hook(mesh, ("batch", None, None, None), first=(None,) * 4))
     y = constrain(conv(model[0](x).detach().to(torch_xla.device())), mesh, (None, "batch", None, None),
                   (None, "batch", None, None))
     y.square().mean().backward()

@@ -240,6 +240,32 @@ def test_the_model_s_output_is_resharded_where_the_plan_reads_it_for_the_loss():
     assert j["unexpected_collectives"] == [] and j["max_rel_diff"] <= 1e-5
 
 
+def test_a_gradient_made_tiled_and_reduce_scattered_is_constrained_as_made_first():
+    """The demo's GPT plan on a tiny GPT: the MLP weights Megatron-tiled on `model` and stored tiled over `batch`
+    too, the tokens on `batch`. Each weight's gradient is made on its `model` tile as a sum over `batch` and
+    reduce-scattered; constrained only to where it ends, XLA re-tiles the tokens with all-to-alls over `batch`
+    instead (two, 16 KiB); constrained first as made (`plan.grads_made`), it all-reduces and slices."""
+    from partir_torch import capture, models
+    from partir_torch.backends.verify import verify_workload
+    from partir_torch.cost import evaluate, hardware
+    from partir_torch.ir import Mesh
+    from partir_torch.plan import ShardingPlan
+    from partir_torch.propagate import ShardingState
+    from partir_torch.search.space import apply_action, parse_action
+
+    net, inputs, loss_fn = models.build("tiny-gpt2", {"batch": "8"}, device="meta")
+    state = ShardingState(capture(net, inputs, loss_fn, "adamw"), Mesh.parse("batch=2,model=4"))
+    for a in ("tile(h.*.mlp.c_fc.weight, 0, model)", "tile(inputs[0], 0, batch)",
+              "tile(h.*.mlp.c_proj.weight, 1, batch, late)", "tile(h.*.mlp.c_fc.weight, 0, batch, late)",
+              "tile(inputs[1], 0, model)", "zero1(*, -1, 'model')"):
+        assert apply_action(state, parse_action(a)), a
+    plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="manual")
+    assert plan.grads_made["h.0.mlp.c_fc.weight"] == ["model", None]
+    assert plan.grads["h.0.mlp.c_fc.weight"] == [["model", "batch"], None]
+    j = verify_workload(plan, "tiny-gpt2", {"batch": "8"}).to_json()
+    assert j["unexpected_collectives"] == [] and "all-to-all" not in j["measured"]["comm_bytes"], j["measured"]
+
+
 _DEVIATES = {  # what XLA CPU does on these searched plans that the model does not have yet (docs/apply.md)
     "tiny-gns": "XLA gathers 22.2 of the 33.1 KiB of MLP weights and activations the plan gathers over model, "
                 "and all-reduces the node MLPs' partial input gradients instead (all-gather 0.71, all-reduce 1.14; "
