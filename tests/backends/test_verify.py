@@ -173,7 +173,6 @@ def test_a_gradient_summed_over_every_axis_is_reduced_to_the_tiles_the_optimizer
     assert copies["donated"] == 16 and 0 < copies["count"] <= 16 and copies["peak_bytes"] > 0, copies
 
 
-
 def test_a_stage3_weight_read_by_a_linear_its_bias_tiles_is_gathered_as_planned():
     """zero3(*) on `model` with the batch on `batch`: each linear's weight and bias are gathered for the addmm
     (`ShardingState.gather_at_use`) and the backward reuses the gathered weight. Before, the bias tiled on its

@@ -21,11 +21,10 @@ def test_the_hlo_dump_is_deleted_once_read_unless_the_caller_keeps_it(tmp_path, 
     """A step's dump is tens of MiB (the disk of an earlier CI run filled up with leftovers)."""
     import tempfile
 
-    from partir_torch.backends import xla_worker
-    from partir_torch.search import search
-
     pytest.importorskip("torch_xla")
     from partir_torch import models
+    from partir_torch.backends import xla_worker
+    from partir_torch.search import search
 
     model, inputs, loss_fn = models.build("tiny-mlp", {"batch": "8"}, device="meta")
     plan = search(model, inputs, "batch=2", loss_fn=loss_fn, optimizer="sgd", schedule="batch:BatchParallel")
