@@ -286,6 +286,12 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
         np.cumsum(lb[st.ev_vid] * (st.ev_coef if hw.flash_attention else st.ev_coef_math), out=cs0[1:])
         cur = cs0[st.upto]
         cur += temps
+        cut = np.flatnonzero(cache.sid[st.cut_val] != cache.need[st.cut_slot]) if len(st.cut_val) else ()
+        if len(cut):  # activations resharded by the one view that reads them: free after it (`Static.cut_*`)
+            d = np.zeros(n_ops + 1, dtype=np.int64)
+            np.add.at(d, st.cut_from[cut], -lb[st.cut_val[cut]])
+            np.add.at(d, st.cut_to[cut], lb[st.cut_val[cut]])
+            cur += np.cumsum(d[:n_ops])
         i = int(np.argmax(cur))  # the first maximum
         if cur[i] > 0:
             peak, peak_at = base + int(cur[i]), i
@@ -298,6 +304,11 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
         at = memo.at_peak[peak_at] = (st.m_vid[i], np.where(st.m_pers[i] | (st.m_extra[i] <= peak_at), st.m_w[i], 1),
                                       st.m_role[i])
     vid, copies, codes = at
+    if len(cut):
+        gone = st.cut_val[cut][(st.cut_from[cut] <= peak_at) & (peak_at < st.cut_to[cut])]
+        if len(gone):
+            keep = ~np.isin(vid, gone)
+            vid, copies, codes = vid[keep], copies[keep], codes[keep]
     mlb = lb[vid]
     nz = np.flatnonzero(mlb)
     vid, copies, codes = vid[nz], copies[nz], codes[nz]

@@ -186,6 +186,29 @@ class Static:
         for op in ops:
             if op.target in ATTENTION and len(op.outputs) > 1 and op.outputs[1] >= 0:
                 self.attn_scale[op.outputs[1]] = vals[op.inputs[1]].shape[-2]
+        # an activation read only by one view op: where a state reshards it there, the view is made from the
+        # reshard's copy (held as a collective buffer up to `view_end`), and the activation itself is free
+        # after the view op (`model._evaluate`); its operand slot, the value, and [from, to) of that saving
+        readers: dict[int, set[int]] = {}
+        for op in ops:
+            for i in op.inputs if rules[op.id].operands else ():
+                readers.setdefault(i, set()).add(op.id)
+        cut_slot, cut_val, cut_from, cut_to = [], [], [], []
+        for v, end in zip(m_vid, m_end):
+            val = vals[v]
+            only = readers.get(v, set())
+            if (val.producer < 0 or end >= n_ops or mem_w[v] != 1 or self.attn_scale[v] != 1 or len(only) != 1):
+                continue
+            (o,) = only
+            if ops[o].target in VIEWS and rules[o].operands and rules[o].operands[0].value == v and end > o:
+                cut_slot.append(self.slot_start[o])
+                cut_val.append(v)
+                cut_from.append(o + 1)
+                cut_to.append(end + 1)
+        self.cut_slot = np.array(cut_slot, dtype=np.int64)
+        self.cut_val = np.array(cut_val, dtype=np.int64)
+        self.cut_from = np.array(cut_from, dtype=np.int64)
+        self.cut_to = np.array(cut_to, dtype=np.int64)
         order = np.argsort(np.array(ev_pos, dtype=np.int64), kind="stable")
         pos = np.array(ev_pos, dtype=np.int64)[order]
         self.ev_vid = np.array(ev_vid, dtype=np.int64)[order]

@@ -207,3 +207,31 @@ def test_incremental_evaluation_equals_from_scratch(fold):
         assert got[1] == summarize(lower(child))
         assert _report(evaluate(parent, hw)) == before  # the parent's cache was not touched by the child's
         pool.append((child, _report(evaluate(child, hw))))
+
+
+def test_an_activation_resharded_by_the_one_view_that_reads_it_is_free_after_the_view():
+    """MoE's dispatch einsum: the permuted mask and expert inputs (`clone_*`) are read only by the view that
+    gathers them over the experts' axis, and the backward reads the view of the gathered copy; their local
+    tiles are free after the view (`tables.Static.cut_*`), and the peak counts the gathered copies alone."""
+    from partir_torch.cost.tables import tables
+
+    net, inputs, loss_fn = models.build("tiny-moe", {"batch": "8"})
+    program = capture(net, inputs, loss_fn, "adamw")
+    mesh = Mesh.parse("batch=2,model=4")
+    state = ShardingState(program, mesh)
+    for a in (Tile("inputs[0]", 0, "batch"), Tile("h.*.moe.w_in", 0, "model"),
+              Tile("h.*.attn.c_attn.weight", 1, "batch")):
+        state.apply(a)
+    hw = hardware("cpu-virtual")
+    freed = evaluate(state, hw)
+    st, _ = tables(state)
+    masks = [v for v in program.values if v.name in ("clone_1", "clone_2", "clone_4", "clone_5")]
+    assert {v.id for v in masks} <= set(st.cut_val.tolist())
+    st.cut_val, st.cut_slot = st.cut_val[:0], st.cut_slot[:0]  # (the model before: held to their views' end)
+    held = evaluate(state, hw)
+    local = sum(math.prod(state.shard[v.id].local_shape(v.shape, mesh)) * 4 for v in masks)
+    assert held.peak_memory_bytes - freed.peak_memory_bytes == local > 0
+    for r in (freed, held):
+        assert sum(r.memory_by_role.values()) == r.peak_memory_bytes
+    assert {v.name for v in masks} & {n for n, _, _ in held.top_at_peak[:40]}
+    assert not {v.name for v in masks} & {n for n, _, _ in freed.top_at_peak}
