@@ -281,6 +281,7 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
     # memory by liveness
     base = int((lb[st.pers_vid] * st.pers_w).sum())
     peak, peak_at = base, -1
+    cut: np.ndarray | tuple = ()
     if n_ops:
         cs0 = np.zeros(len(st.ev_vid) + 1, dtype=np.int64)
         np.cumsum(lb[st.ev_vid] * (st.ev_coef if hw.flash_attention else st.ev_coef_math), out=cs0[1:])
