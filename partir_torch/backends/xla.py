@@ -707,10 +707,11 @@ class _ReadAs:
     """Hands the modules holding a parameter (`places`: (module, attribute), several when it is tied) the
     parameter constrained to the sharding the plan reads it in, for the duration of the forward of the
     module around them: the engine then reshards it once, and the backward reuses the resharded tensor
-    autograd saved (the parameter object and `state_dict` are untouched)."""
+    autograd saved (the parameter object and `state_dict` are untouched). `grad`: the sharding the read's
+    gradient is constrained to (`plan.read_grads`: a tied weight's readers' gradients, summed at the read)."""
 
-    def __init__(self, places: list[tuple[nn.Module, str]], mesh, spec: tuple) -> None:
-        self.places, self.mesh, self.spec = places, mesh, spec
+    def __init__(self, places: list[tuple[nn.Module, str]], mesh, spec: tuple, grad: tuple | None = None) -> None:
+        self.places, self.mesh, self.spec, self.grad = places, mesh, spec, grad
         self.saved: list[torch.Tensor] = []
 
     def enter(self, mod: nn.Module, args: Any) -> None:
@@ -718,7 +719,7 @@ class _ReadAs:
         p = holder._parameters[attr]
         self.saved.append(p)
         with torch._C.DisableTorchFunction():  # not one of the model's calls (`CallConstraints` counts those)
-            read = constrain(p, self.mesh, self.spec, None)
+            read = constrain(p, self.mesh, self.spec, self.grad)
         for m, a in self.places:
             m._parameters[a] = read
 
@@ -903,7 +904,8 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
         paths = list(zip(*[path.split(".") if path else [] for path, _, _ in held[id(p)]]))
         n = next((i for i, names in enumerate(paths) if len(set(names)) > 1), len(paths))
         mod = model.get_submodule(".".join(names[0] for names in paths[:n]))  # the module around all of them
-        swap = _ReadAs(places, mesh, _spec(spec, len(spec)))
+        grad = plan.read_grads.get(name)
+        swap = _ReadAs(places, mesh, _spec(spec, len(spec)), _spec(grad, len(grad)) if grad is not None else None)
         rec.handles += [mod.register_forward_pre_hook(swap.enter),
                         mod.register_forward_hook(swap.leave, always_call=True)]
 

@@ -29,6 +29,7 @@ from partir_torch.plan.reads import (
     module_outputs,
     output_shardings,
     param_reads,
+    read_grads,
 )
 from partir_torch.propagate import ShardingState
 
@@ -47,6 +48,7 @@ class PlanSpecs:
     calls: dict[str, dict[str, dict]] = field(default_factory=dict)  # module path -> call number -> constraints
     output: list | None = None  # [shape, spec the loss reads the model's output in, its gradient's or None]
     grads_made: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec its gradient is made in (reads)
+    read_grads: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec its shared read's gradient is made in
 
 
 def _output_json(state: ShardingState) -> list | None:
@@ -130,12 +132,14 @@ def specs(state: ShardingState) -> PlanSpecs:
         _calls_json(state),
         _output_json(state),
         expand({n: sh.to_spec() for n, sh in grads_made(state).items()}),
+        expand({n: sh.to_spec() for n, sh in read_grads(state).items()}),
     )
 
 
 FORMAT = 5  # the version of the saved plan's JSON; `load` refuses other versions (2: `calls` outs; 3: calls
 # on constants are not numbered, `capture.attribution.Constants`; 4: a pending sum's gradient spec is where the
-# optimizer reads it, `reads.grad_shardings`; 5: `grads_made`, the tiling a reduce-scattered gradient is made in)
+# optimizer reads it, `reads.grad_shardings`; 5: `grads_made`, the tiling a reduce-scattered gradient is made
+# in, and `read_grads`, a tied weight's read's gradient)
 
 
 class PlanMismatchError(PartirError):
@@ -166,6 +170,7 @@ class ShardingPlan:
     calls: dict[str, dict[str, dict]] = field(default_factory=dict)  # module path -> call -> constraints (PlanSpecs)
     output: list | None = None  # the model's output as the loss reads it (PlanSpecs)
     grads_made: dict[str, Spec] = field(default_factory=dict)  # parameter -> spec its gradient is made in (PlanSpecs)
+    read_grads: dict[str, Spec] = field(default_factory=dict)  # parameter -> its shared read's gradient (PlanSpecs)
     shapes: dict[str, Any] = field(default_factory=dict)  # {"params": {n: shape}, "buffers": ..., "inputs": [...]}
     input_args: list[int | str | None] = field(default_factory=list)  # forward argument of each input
     optimizer: str | None = None
@@ -193,7 +198,7 @@ class ShardingPlan:
                    buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}),
                    activations=sp.activations, grads=sp.grads, module_inputs=sp.module_inputs,
                    param_reads=sp.param_reads, calls=sp.calls, output=sp.output, grads_made=sp.grads_made,
-                   shapes=shapes,
+                   read_grads=sp.read_grads, shapes=shapes,
                    input_args=list(p.input_args),
                    optimizer=p.optimizer, program_hash=p.content_hash(), compiling=p.compiling)
 
@@ -201,7 +206,8 @@ class ShardingPlan:
     def specs(self) -> PlanSpecs:
         """What a backend applies."""
         return PlanSpecs(self.params, self.inputs, self.optimizer_state, self.activations, self.grads,
-                         self.module_inputs, self.param_reads, self.calls, self.output, self.grads_made)
+                         self.module_inputs, self.param_reads, self.calls, self.output, self.grads_made,
+                         self.read_grads)
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "mesh": {"axes": self.mesh, "dcn": self.dcn_axes}, "schedule": self.schedule,
@@ -209,7 +215,8 @@ class ShardingPlan:
                "params": self.params, "buffers": self.buffers, "inputs": self.inputs, "input_args": self.input_args,
                "optimizer_state": self.optimizer_state, "activations": self.activations, "grads": self.grads,
                "module_inputs": self.module_inputs, "param_reads": self.param_reads, "calls": self.calls,
-               "output": self.output, "grads_made": self.grads_made, "shapes": self.shapes,
+               "output": self.output, "grads_made": self.grads_made, "read_grads": self.read_grads,
+               "shapes": self.shapes,
                "cost": self.cost, "conflicts": self.conflicts, "blocked": self.blocked}
         if self.compiling:
             out["compiling"] = True
@@ -229,7 +236,7 @@ class ShardingPlan:
                    d.get("schedule"), d.get("hardware"), list(d["mesh"].get("dcn", [])), d.get("conflicts", []),
                    d.get("search"), d.get("buffers", {}), d.get("activations", {}), d.get("grads", {}),
                    d.get("module_inputs", {}), d.get("param_reads", {}), d.get("calls", {}), d.get("output"),
-                   d.get("grads_made", {}), d.get("shapes", {}),
+                   d.get("grads_made", {}), d.get("read_grads", {}), d.get("shapes", {}),
                    d.get("input_args", []),
                    d.get("optimizer"), d.get("program_hash"), d.get("blocked", []), d.get("cache"),
                    bool(d.get("compiling", False)))

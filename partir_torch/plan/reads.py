@@ -176,6 +176,29 @@ def param_reads(state: ShardingState) -> dict[str, Sharding]:
     return out
 
 
+def read_grads(state: ShardingState) -> dict[str, Sharding]:
+    """{parameter: the tiling the plan makes the gradient of its read in} for a parameter `param_reads` hands
+    to several readers (a tied weight): autograd sums their gradients at the one read, and the plan makes each
+    term as a sum pending over the same axes, in one tiling. A backend constrains the read's gradient to it:
+    XLA then reduces the terms as the plan does, instead of making a scatter-add's term directly in the stored
+    tiling with an all-to-all the plan does not have (the demo GPT's tied token table: docs/apply.md)."""
+    from partir_torch.ir.program import Phase
+
+    program = state.program
+    out: dict[str, Sharding] = {}
+    for name in param_reads(state):
+        v, g = program.params[name], program.grads.get(name)
+        readers = [u for u in program.users[v] if program.ops[u].phase is Phase.FORWARD]
+        made_by = program.values[g].producer if g is not None else -1
+        if len(readers) < 2 or made_by < 0 or program.ops[made_by].target != "aten.add.Tensor":
+            continue
+        terms = [state.shard[t.value] for t in state.rules[made_by].operands]
+        made = {Sharding(t.dims) for t in terms}
+        if len(made) == 1 and all(t.partial for t in terms):
+            out[name] = made.pop()
+    return out
+
+
 def model_output(state: ShardingState) -> tuple[int, Sharding, Sharding | None] | None:
     """(the model's output, the sharding the loss function reads it in, the sharding of the gradient the
     loss's backward sends back for it or None) when the loss reshards the one activation the model returns

@@ -265,6 +265,35 @@ def test_a_gradient_made_tiled_and_reduce_scattered_is_constrained_as_made_first
     assert j["unexpected_collectives"] == [] and "all-to-all" not in j["measured"]["comm_bytes"], j["measured"]
 
 
+def test_a_tied_weight_s_read_gradient_is_constrained_as_the_plan_makes_its_terms():
+    """The demo's GPT plan with its tied token table stored over `(model, batch)`: the table is handed gathered
+    to the embedding and the output head, whose gradients autograd sums at that read; the plan makes both
+    terms as sums pending over both axes, replicated. Constrained so (`plan.read_grads`), XLA reduces them as
+    predicted; without it, it makes the lookup's term on the table's tile (all-gather 1.16 of the prediction,
+    all-reduce 0.94, collective-permutes)."""
+    from partir_torch import capture, models
+    from partir_torch.backends.verify import verify_workload
+    from partir_torch.cost import evaluate, hardware
+    from partir_torch.ir import Mesh
+    from partir_torch.plan import ShardingPlan
+    from partir_torch.propagate import ShardingState
+    from partir_torch.search.space import apply_action, parse_action
+
+    net, inputs, loss_fn = models.build("tiny-gpt2", {"batch": "8"}, device="meta")
+    state = ShardingState(capture(net, inputs, loss_fn, "adamw"), Mesh.parse("batch=2,model=4"))
+    for a in ("tile(h.*.mlp.c_fc.weight, 0, model)", "tile(inputs[0], 0, batch)",
+              "tile(h.*.mlp.c_proj.weight, 1, batch, late)", "tile(h.*.mlp.c_fc.weight, 0, batch, late)",
+              "tile(wte.weight, 1, batch, late)", "tile(inputs[1], 0, model)", "tile(wte.weight, 0, model, late)",
+              "zero1(*, -1, 'model')"):
+        assert apply_action(state, parse_action(a)), a
+    plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="manual")
+    assert plan.read_grads == {"wte.weight": [None, None]}
+    j = verify_workload(plan, "tiny-gpt2", {"batch": "8"}).to_json()
+    assert j["unexpected_collectives"] == [] and set(j["measured"]["comm_bytes"]) == {"all-gather", "all-reduce"}
+    for kind, r in j["ratios"].items():
+        assert r == pytest.approx(1.0, abs=0.01), (kind, j["ratios"])
+
+
 _DEVIATES = {  # what XLA CPU does on these searched plans that the model does not have yet (docs/apply.md)
     "tiny-gns": "XLA's per-device memory is 1.44 of the prediction (90.0 KiB against 62.4; 17.6 KiB of it XLA "
                 "CPU's copies of donated buffers, docs/cost-model.md item 5); all-gather 1.09 and all-reduce 0.93 "
