@@ -176,17 +176,18 @@ def param_reads(state: ShardingState) -> dict[str, Sharding]:
     return out
 
 
-def read_grads(state: ShardingState) -> dict[str, Sharding]:
-    """{parameter: the tiling the plan makes the gradient of its read in} for a parameter `param_reads` hands
-    to several readers (a tied weight): autograd sums their gradients at the one read, and the plan makes each
-    term as a sum pending over the same axes, in one tiling. A backend constrains the read's gradient to it:
-    XLA then reduces the terms as the plan does, instead of making a scatter-add's term directly in the stored
-    tiling with an all-to-all the plan does not have (the demo GPT's tied token table: docs/apply.md)."""
+def read_grads(state: ShardingState, reads: dict[str, Sharding]) -> dict[str, Sharding]:
+    """{parameter: the tiling the plan makes the gradient of its read in} for a parameter of `reads` (what
+    `param_reads` hands over) read by several ops (a tied weight): autograd sums their gradients at the one
+    read, and the plan makes each term as a sum pending over the same axes, in one tiling. A backend
+    constrains the read's gradient to it: XLA then reduces the terms as the plan does, instead of making a
+    scatter-add's term directly in the stored tiling with an all-to-all the plan does not have (the demo
+    GPT's tied token table: docs/apply.md)."""
     from partir_torch.ir.program import Phase
 
     program = state.program
     out: dict[str, Sharding] = {}
-    for name in param_reads(state):
+    for name in reads:
         v, g = program.params[name], program.grads.get(name)
         readers = [u for u in program.users[v] if program.ops[u].phase is Phase.FORWARD]
         made_by = program.values[g].producer if g is not None else -1
