@@ -189,14 +189,10 @@ class Static:
         # an activation read only by one view op: where a state reshards it there, the view is made from the
         # reshard's copy (held as a collective buffer up to `view_end`), and the activation itself is free
         # after the view op (`model._evaluate`); its operand slot, the value, and [from, to) of that saving
-        readers: dict[int, set[int]] = {}
-        for op in ops:
-            for i in op.inputs if rules[op.id].operands else ():
-                readers.setdefault(i, set()).add(op.id)
         cut_slot, cut_val, cut_from, cut_to = [], [], [], []
         for v, end in zip(m_vid, m_end):
             val = vals[v]
-            only = readers.get(v, set())
+            only = {u for u in program.users[v] if rules[u].operands}  # (not a read for its dtype: `new_zeros`)
             if (val.producer < 0 or end >= n_ops or mem_w[v] != 1 or self.attn_scale[v] != 1 or len(only) != 1):
                 continue
             (o,) = only

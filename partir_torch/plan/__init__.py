@@ -117,7 +117,7 @@ def specs(state: ShardingState) -> PlanSpecs:
     p = state.program
     fold = p.fold
     expand = _expander(p)
-    reads = param_reads(state)
+    reads, ends = param_reads(state), grad_shardings(state)
 
     return PlanSpecs(
         expand({n: state.shard[v].to_spec() for n, v in p.params.items()}),
@@ -126,13 +126,13 @@ def specs(state: ShardingState) -> PlanSpecs:
                 for n, st in p.opt_states.items()}),
         {k.removesuffix("."): spec for path, sh in output_shardings(state).items()
          for k in full_names(path + ".", fold) for spec in [sh.to_spec()]},
-        expand({n: sh.to_spec() for n, sh in grad_shardings(state).items()}),
+        expand({n: sh.to_spec() for n, sh in ends.items()}),
         {k.removesuffix("."): [need.to_spec(), grad.to_spec() if grad is not None else None]
          for path, (_, need, grad) in module_inputs(state).items() for k in full_names(path + ".", fold)},
         expand({n: need.to_spec() for n, need in reads.items()}),
         _calls_json(state),
         _output_json(state),
-        expand({n: sh.to_spec() for n, sh in grads_made(state).items()}),
+        expand({n: sh.to_spec() for n, sh in grads_made(state, ends).items()}),
         expand({n: sh.to_spec() for n, sh in read_grads(state, reads).items()}),
     )
 

@@ -93,15 +93,14 @@ def grad_shardings(state: ShardingState) -> dict[str, Sharding]:
     return out
 
 
-def grads_made(state: ShardingState) -> dict[str, Sharding]:
+def grads_made(state: ShardingState, ends: dict[str, Sharding]) -> dict[str, Sharding]:
     """{parameter: the tiling the plan makes its gradient in} for a gradient made as a sum that the optimizer
-    reads reduce-scattered: each summed axis added as a tiling of a dim, none all-reduced (`grad_shardings`
-    gives where it ends). A backend constrains the gradient to this tiling first: XLA's dot partitioner then
+    reads reduce-scattered: each summed axis added as a tiling of a dim, none all-reduced (`ends`: where it
+    ends, `grad_shardings`). A backend constrains the gradient to this tiling first: XLA's dot partitioner then
     computes the tile as the plan does and all-reduces it before the slice, its reduce-scatter in the CPU's
     form; constrained to where it ends only, it re-tiles the dot's operands with all-to-alls the plan does not
     have (a GPT's MLP weights stored tiled over `(model, batch)` with the tokens on `batch`: docs/apply.md)."""
     program = state.program
-    ends = grad_shardings(state)
     out: dict[str, Sharding] = {}
     for n, v in program.grads.items():
         sh, end = state.shard[v], ends[n]
