@@ -128,8 +128,10 @@ _PEAK_BUF = re.compile(r"^\s+([\w.\-]+)\{[\d,]*\}: (\d+) bytes", re.M)
 class DonatedCopies:
     """XLA's copies of entry parameters that alias an output (buffers donated to an in-place update: the
     parameters and optimizer states the step updates): `count` copies in the step, `peak_bytes` of them live
-    at the peak of its temporaries. Copy insertion makes them when it cannot prove the update may overwrite
-    the donated buffer in place; the step's reads then use the copy, held from the start of the step."""
+    at the peak of its temporaries. torch_xla donates these buffers without saying which output each is for;
+    XLA pairs donors with outputs by byte size, in parameter and output order, so most updates are paired
+    with another tensor's buffer, and copy insertion copies the donor that is still read after it is
+    overwritten; the step's reads then use the copy (when it is made is the scheduler's choice)."""
 
     count: int
     donated: int  # entry parameters that alias an output

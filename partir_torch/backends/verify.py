@@ -145,10 +145,11 @@ def compare(plan: ShardingPlan, step) -> VerifyReport:
              "(an all-reduce and a slice on the CPU; docs/cost-model.md item 1)"] if "reduce-scatter" in by_axis else []
     copies = getattr(step, "donated_copies", None)
     if copies is not None and copies.count:
-        notes.append(f"XLA CPU copies {copies.count} of the {copies.donated} buffers the step updates in place "
-                     f"(parameters, optimizer states) at its start and reads the copies: "
-                     f"{format_bytes(copies.peak_bytes)} of its peak memory, which the cost model counts once "
-                     f"(copy insertion around the donated update; docs/cost-model.md item 5)")
+        notes.append(f"XLA copies {copies.count} of the {copies.donated} buffers the step updates in place "
+                     f"(parameters, optimizer states) and reads the copies: {format_bytes(copies.peak_bytes)} of "
+                     f"its peak memory, which the cost model counts once (torch_xla donates the buffers unpaired; "
+                     f"XLA pairs them with the step's outputs by size, most with another tensor's update; "
+                     f"docs/cost-model.md item 5)")
     return VerifyReport(
         dict(plan.mesh),
         {"comm_bytes": dict(predicted), "peak_memory_bytes": plan.cost.get("peak_memory_bytes", 0)},

@@ -52,6 +52,7 @@ the pinned pair.
 
 from __future__ import annotations
 
+import functools
 import glob
 import itertools
 import logging
@@ -98,24 +99,42 @@ def _has_tpu() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
+# XLA CPU schedules a step for concurrency by default, "trading off extra memory pressure" (its flag's own
+# words): all its copies of donated parameters and states, say, made at the start of the step. The cost model
+# assumes a memory-aware scheduler, as accelerators' compilers have; XLA CPU's is this one.
+MEMORY_SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+_SCHEDULER_FLAG = MEMORY_SCHEDULER.split("=")[0]
+
+
 def start_runtime(devices: int) -> str | None:
     """Make torch_xla's SPMD runtime ready for a mesh of `devices` devices; returns the one line to tell the
-    user when it had to choose the CPU device itself.
+    user when it chose something for them (the CPU device, XLA CPU's memory-aware scheduler).
 
-    The runtime reads `PJRT_DEVICE` and `CPU_NUM_DEVICES` once, when it starts: with neither set and no
-    accelerator, the CPU runtime is given `devices` virtual devices; once started, the device count must
-    be the mesh's."""
-    note = None
+    The runtime reads `PJRT_DEVICE`, `CPU_NUM_DEVICES` and `XLA_FLAGS` once, when it starts: with neither
+    device variable set and no accelerator, the CPU runtime is given `devices` virtual devices; on the CPU,
+    XLA compiles with its memory-aware scheduler (`MEMORY_SCHEDULER`) unless `XLA_FLAGS` chooses one; once
+    started, the device count must be the mesh's, and a CPU runtime started without that flag is warned of."""
+    notes = []
     if "torch_xla" not in sys.modules:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's C++ info and deprecation lines
         if "PJRT_DEVICE" not in os.environ and not _has_tpu():
             os.environ["PJRT_DEVICE"] = "CPU"
     torch_xla, _, xr = _xla()
     started = torch_xla._XLAC._xla_runtime_is_initialized()
-    if not started and xr.device_type() == "CPU" and "CPU_NUM_DEVICES" not in os.environ:
+    cpu = xr.device_type() == "CPU"
+    if not started and cpu and "CPU_NUM_DEVICES" not in os.environ:
         os.environ["CPU_NUM_DEVICES"] = str(devices)
-        note = (f"partir_torch: no accelerator; using torch_xla's CPU runtime with {devices} virtual devices "
-                f"(PJRT_DEVICE=CPU CPU_NUM_DEVICES={devices})")
+        notes.append(f"no accelerator; using torch_xla's CPU runtime with {devices} virtual devices "
+                     f"(PJRT_DEVICE=CPU CPU_NUM_DEVICES={devices})")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if cpu and _SCHEDULER_FLAG not in flags:
+        if started:
+            _warn_scheduler()
+        else:
+            os.environ["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER}".strip()
+            notes.append(f"XLA CPU compiles with its memory-aware scheduler, as the plan's memory assumes "
+                         f"({MEMORY_SCHEDULER})")
+    note = "partir_torch: " + "; ".join(notes) if notes else None
     if not xr.is_spmd():
         xr.use_spmd()
     have = xr.global_runtime_device_count()
@@ -127,6 +146,13 @@ def start_runtime(devices: int) -> str | None:
                        f"({xr.device_type()}{', already started' if started else ''}): {how}")
     _probe_autograd(torch_xla)
     return note
+
+
+@functools.cache
+def _warn_scheduler() -> None:
+    log.warning("torch_xla's CPU runtime started without XLA CPU's memory-aware scheduler: its default schedules "
+                "for concurrency and holds more memory per device than the plan predicts; set XLA_FLAGS=%s "
+                "before torch_xla starts (or call partir_torch.start_runtime first)", MEMORY_SCHEDULER)
 
 
 def _probe_autograd(torch_xla) -> None:

@@ -294,16 +294,7 @@ def test_a_tied_weight_s_read_gradient_is_constrained_as_the_plan_makes_its_term
         assert r == pytest.approx(1.0, abs=0.01), (kind, j["ratios"])
 
 
-_DEVIATES = {  # what XLA CPU does on these searched plans that the model does not have yet (docs/apply.md)
-    "tiny-gns": "XLA's per-device memory is 1.44 of the prediction (90.0 KiB against 62.4; 17.6 KiB of it XLA "
-                "CPU's copies of donated buffers, docs/cost-model.md item 5); all-gather 1.09 and all-reduce 0.93 "
-                "are within the bars since ZeRO-3 gathers a parameter where it is read",
-}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_DEVIATES[n]))
-                                  if n in _DEVIATES else n
-                                  for n in ("tiny-gpt2", "tiny-unet", "tiny-llama", "tiny-gns", "tiny-moe")])
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-unet", "tiny-llama", "tiny-gns", "tiny-moe"])
 def test_searched_plans_compile_to_the_predicted_collectives(name):
     """Plans the search makes under a tight memory limit put the batch and weights on the same axis, so
     most ops meet conflicting layouts: XLA must reshard where the plan does (module inputs constrained as
