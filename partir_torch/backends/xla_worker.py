@@ -1,8 +1,10 @@
 """Compile and run training steps under a plan in a fresh torch_xla process, with XLA's HLO dump on.
 
 XLA reads `XLA_FLAGS` (the dump) and `CPU_NUM_DEVICES` once, when its runtime starts, so each job gets a
-fresh process and its own dump directory. The job applies the plan with the same functions `auto_shard`
-uses (`backends.xla.shard_module`, `shard_optimizer`, `shard_batch`): what is measured is what users run.
+fresh process and its own dump directory; the caller's own `XLA_FLAGS` come first (the dump's last), and
+the runtime starts through `xla.start_runtime`, as in users' processes (the scheduler it chooses on the
+CPU). The job applies the plan with the same functions `auto_shard` uses (`backends.xla.shard_module`,
+`shard_optimizer`, `shard_batch`): what is measured is what users run.
 
 A job's model comes from a zoo name / `file.py:factory` (`workload.load`, on the CPU) or from a file that
 `cloudpickle` wrote (a user's model, inputs, loss and optimizer: `verify` on any model). A model built on
@@ -82,7 +84,8 @@ def _run(plan: ShardingPlan, source: dict[str, Any], dump: str, mesh: Mesh, *, o
            "seed": seed, "lowerings": lowerings or {}, "return_params": return_params}
     path = os.pathsep.join(p for p in sys.path if p)  # the caller's modules (a pickled model's classes) import there
     env = {**os.environ, "PYTHONPATH": path, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(mesh.devices),
-           "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text "
+                        "--xla_dump_hlo_pass_re=^$".strip(),
            "TF_CPP_MIN_LOG_LEVEL": "2"}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)

@@ -39,3 +39,22 @@ def test_the_hlo_dump_is_deleted_once_read_unless_the_caller_keeps_it(tmp_path, 
     dumps = [p for p in scratch.iterdir() if p.name.startswith("partir-xla-")]
     assert dumps == [] and (step.hlo_path is not None) == keep
     assert (len(list(kept.iterdir())) == 1) == keep
+
+
+@pytest.mark.parametrize("user_flags", ["", "--xla_cpu_enable_concurrency_optimized_scheduler=true"])
+def test_the_worker_compiles_as_the_user_s_process_does(tmp_path, monkeypatch, user_flags):
+    """`verify` measures what users run: the worker starts its runtime as `auto_shard` does (XLA CPU's memory
+    scheduler chosen) and keeps the caller's own `XLA_FLAGS` (a scheduler the user chose)."""
+    pytest.importorskip("torch_xla")
+    from partir_torch import models
+    from partir_torch.backends import xla_worker
+    from partir_torch.search import search
+
+    model, inputs, loss_fn = models.build("tiny-mlp", {"batch": "8"}, device="meta")
+    plan = search(model, inputs, "batch=2", loss_fn=loss_fn, optimizer="sgd", schedule="batch:BatchParallel")
+    monkeypatch.setenv("XLA_FLAGS", user_flags)
+    step = xla_worker.run(plan, {"workload": "tiny-mlp", "overrides": {"batch": "8"}}, optimizer="sgd",
+                          dump_dir=str(tmp_path))
+    options = "".join(p.read_text() for p in tmp_path.glob("*/*.debug_options"))
+    assert step.hlo_path and "xla_dump_to" in options
+    assert ("xla_cpu_enable_concurrency_optimized_scheduler: false" in options) == (not user_flags), options
