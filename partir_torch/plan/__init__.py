@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -194,21 +194,16 @@ class ShardingPlan:
                   "module_inputs": {k.removesuffix("."): list(p.values[v].shape)
                                     for path, (v, _, _) in module_inputs(state).items()
                                     for k in full_names(path + ".", p.fold)}}
-        return cls(dict(state.mesh.axes), sp.params, sp.inputs, sp.optimizer_state, cost.to_json(), schedule,
-                   hardware, sorted(dcn_axes), [c.describe(p) for c in state.conflicts], search,
-                   buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}),
-                   activations=sp.activations, grads=sp.grads, module_inputs=sp.module_inputs,
-                   param_reads=sp.param_reads, calls=sp.calls, output=sp.output, grads_made=sp.grads_made,
-                   read_grads=sp.read_grads, shapes=shapes,
-                   input_args=list(p.input_args),
-                   optimizer=p.optimizer, program_hash=p.content_hash(), compiling=p.compiling)
+        return cls(dict(state.mesh.axes), cost=cost.to_json(), schedule=schedule, hardware=hardware,
+                   dcn_axes=sorted(dcn_axes), conflicts=[c.describe(p) for c in state.conflicts], search=search,
+                   buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}), shapes=shapes,
+                   input_args=list(p.input_args), optimizer=p.optimizer, program_hash=p.content_hash(),
+                   compiling=p.compiling, **{f.name: getattr(sp, f.name) for f in fields(PlanSpecs)})
 
     @property
     def specs(self) -> PlanSpecs:
-        """What a backend applies."""
-        return PlanSpecs(self.params, self.inputs, self.optimizer_state, self.activations, self.grads,
-                         self.module_inputs, self.param_reads, self.calls, self.output, self.grads_made,
-                         self.read_grads)
+        """What a backend applies (every `PlanSpecs` field, by name)."""
+        return PlanSpecs(**{f.name: getattr(self, f.name) for f in fields(PlanSpecs)})
 
     def to_json(self) -> dict[str, Any]:
         out = {"format": FORMAT, "mesh": {"axes": self.mesh, "dcn": self.dcn_axes}, "schedule": self.schedule,
