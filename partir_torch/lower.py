@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from partir_torch.capture.fold import weights
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.sharding import Sharding
+from partir_torch.layout import misplaced, walk
 from partir_torch.propagate import MOVES, ShardingState
 
 
@@ -60,52 +61,9 @@ def local_numel(shape: tuple[int, ...], sh: Sharding, mesh: Mesh) -> int:
 
 def transitions(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, mesh: Mesh
                 ) -> list[tuple[str, str, int]]:
-    """[(kind, axis, bytes per device)] to turn `src` into `dst`.
-
-    Pending sums first, while the data is largest: reduce-scatters (mesh order), then all-reduces, then the
-    tiling moves axis by axis in mesh order. A sum over several axes is reduced hierarchically, minor axis
-    first (the fast links of a mesh written slow-to-fast, `data:dcn, model`): the all-reduce over the next
-    axis moves 1/n of the bytes of the one before (the reduce-scatter / all-reduce / all-gather algorithm),
-    so that k axes cost what one ring over their product costs, 2(n1·n2-1)/(n1·n2)·B, and not k rings of B.
-    """
-    out: list[tuple[str, str, int]] = []
-    cur = src
-    if src.partial - dst.partial:
-        reduced = [a for a in mesh.names if a in src.partial and a not in dst.partial]
-        for axis in reduced:  # reduce-scatter: the sum lands tiled
-            d_dim = dst.dim_of(axis)
-            if d_dim is not None:
-                out.append(("reduce-scatter", axis, local_numel(shape, cur, mesh) * itemsize))
-                cur = _move(cur, axis, d_dim, False)
-        share = 1
-        for axis in reversed(reduced):
-            if dst.dim_of(axis) is None:
-                out.append(("all-reduce", axis, local_numel(shape, cur, mesh) * itemsize // share))
-                share *= mesh.size(axis)
-                cur = _move(cur, axis, None, False)
-    moved = misplaced(src, dst)  # (a sum reduce-scattered lands wherever dst wants it)
-    for axis in mesh.names:  # gathered first, then sliced again in their place (XLA: a full rematerialization)
-        if axis in moved:
-            cur = _move(cur, axis, None, axis in cur.partial)
-            out.append(("all-gather", axis, local_numel(shape, cur, mesh) * itemsize))
-    for axis in _gather_order(cur, dst, mesh.names):
-        s_dim = cur.dim_of(axis)
-        d_dim = dst.dim_of(axis)
-        s_part, d_part = axis in cur.partial, axis in dst.partial
-        if s_part == d_part and s_dim == d_dim and (s_dim is None or _chunks(cur, s_dim) == _chunks(dst, s_dim)):
-            continue
-        before = local_numel(shape, cur, mesh) * itemsize
-        nxt = _move(cur, axis, d_dim, d_part)
-        after = local_numel(shape, nxt, mesh) * itemsize
-        if s_dim is not None and s_dim != d_dim:
-            if d_dim is not None:
-                out.append(("all-to-all", axis, before))
-            else:
-                out.append(("all-gather", axis, after))
-        elif s_dim is not None and s_dim == d_dim and _chunks(src, s_dim) != _chunks(dst, s_dim):
-            out.append(("all-to-all", axis, before))  # the same tiles, laid out as blocks vs chunks
-        cur = nxt
-    return out
+    """[(kind, axis, bytes per device)] to turn `src` into `dst`: the collectives of `layout.walk`, the steps a
+    rank program runs (pending sums first, then the tiling moves axis by axis; see there)."""
+    return [(s.kind, s.axis, s.nbytes) for s in walk(src, dst, shape, itemsize, mesh) if s.collective]
 
 
 CONTRACTIONS = frozenset({"mm", "bmm", "addmm", "convolution", "convolution_backward"})  # rules XLA partitions
@@ -138,51 +96,9 @@ def fused(src: Sharding, dst: Sharding, steps, reduction: bool = False) -> dict[
     return out
 
 
-def _gather_order(src: Sharding, dst: Sharding, names: tuple[str, ...]) -> list[str]:
-    """Mesh order, except that the axes gathered off one dim go minor first (each a gather over contiguous
-    blocks, as an SPMD partitioner does them)."""
-    order: list[str] = []
-    for axis in names:
-        if axis in order:
-            continue
-        d = src.dim_of(axis)
-        if d is not None and dst.dim_of(axis) is None:
-            tail = src.dims[d][src.dims[d].index(axis):]
-            order += [a for a in reversed(tail) if dst.dim_of(a) is None and a not in order]
-        else:
-            order.append(axis)
-    return order
-
-
-def misplaced(src: Sharding, dst: Sharding) -> set[str]:
-    """Axes that tile the same dim in `src` and `dst` but not at the same place in its order of axes (after
-    where the two orders part): a device's tile is then another block of the dim, so the axis must be
-    gathered and sliced again. A dim tiled (a, b) holds block i_a·n_b + i_b; dropping a keeps b only when
-    b is the whole rest of the order, and adding a in front of b moves every block."""
-    out: set[str] = set()
-    for s, d in zip(src.dims, dst.dims):
-        k = 0
-        while k < len(s) and k < len(d) and s[k] == d[k]:
-            k += 1
-        out.update(a for a in s[k:] if a in d[k:])
-    return out
-
-
-def _chunks(sh: Sharding, dim: int) -> int:
-    return next((n for d, n in sh.chunks if d == dim), 1)
-
-
 def _chunked(chunks: tuple[tuple[int, int], ...], dims: tuple[tuple[str, ...], ...]) -> tuple[tuple[int, int], ...]:
     """A tensor's chunked dims that are tiled (a chunked layout of a replicated dim is the same tensor)."""
     return tuple(c for c in chunks if dims[c[0]]) if chunks else ()
-
-
-def _move(sh: Sharding, axis: str, dim: int | None, partial: bool) -> Sharding:
-    dims = [tuple(a for a in ax if a != axis) for ax in sh.dims]
-    if dim is not None:
-        dims[dim] = (*dims[dim], axis)
-    part = (sh.partial - {axis}) | ({axis} if partial else set())
-    return Sharding(tuple(dims), frozenset(part))
 
 
 def required_operand(state: ShardingState, o: int, i: int) -> Sharding:

@@ -57,28 +57,33 @@ class SimResult:
     executed: dict[str, int] = field(default_factory=dict)  # collective kind -> times emulated
 
 
+def region(mesh: Mesh, sh: Sharding, shape: tuple[int, ...], c: dict[str, int]) -> tuple[slice | torch.Tensor, ...]:
+    """Device `c`'s part of a tensor of `shape` laid out by `sh`: a block per dim, or its tile of each chunk
+    (`Sharding.chunks`)."""
+    chunks = dict(sh.chunks)
+    out: list[slice | torch.Tensor] = []
+    for d, (size, axes) in enumerate(zip(shape, sh.dims)):
+        idx, n = 0, 1
+        for a in axes:
+            idx = idx * mesh.size(a) + c[a]
+            n *= mesh.size(a)
+        k = chunks.get(d, 1)
+        tile = size // k // n
+        if k > 1 and n > 1:
+            out.append(torch.cat([torch.arange(j * (size // k) + idx * tile, j * (size // k) + (idx + 1) * tile)
+                                  for j in range(k)]))
+        else:
+            out.append(slice(idx * (size // n), (idx + 1) * (size // n)))
+    return tuple(out)
+
+
 class _Mesh:
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh
         self.coords = [dict(zip(mesh.names, c)) for c in itertools.product(*(range(s) for _, s in mesh.axes))]
 
     def region(self, sh: Sharding, shape: tuple[int, ...], c: dict[str, int]) -> tuple[slice | torch.Tensor, ...]:
-        """Device `c`'s part of a tensor of `shape`: a block per dim, or its tile of each chunk (`Sharding.chunks`)."""
-        chunks = dict(sh.chunks)
-        out: list[slice | torch.Tensor] = []
-        for d, (size, axes) in enumerate(zip(shape, sh.dims)):
-            idx, n = 0, 1
-            for a in axes:
-                idx = idx * self.mesh.size(a) + c[a]
-                n *= self.mesh.size(a)
-            k = chunks.get(d, 1)
-            tile = size // k // n
-            if k > 1 and n > 1:
-                out.append(torch.cat([torch.arange(j * (size // k) + idx * tile, j * (size // k) + (idx + 1) * tile)
-                                      for j in range(k)]))
-            else:
-                out.append(slice(idx * (size // n), (idx + 1) * (size // n)))
-        return tuple(out)
+        return region(self.mesh, sh, shape, c)
 
     def scatter(self, g: torch.Tensor, sh: Sharding) -> list[torch.Tensor]:
         locs = []
@@ -180,14 +185,8 @@ def simulate(
         for d in range(len(m.coords)):
             # a local shard's strides differ from the global tensor's: views need contiguous inputs
             it = iter(ops_[d].contiguous() if contiguous else ops_[d] for ops_ in operands)
-            args = _subst(op.args, it)
-            kwargs = {k: _subst(a, it) for k, a in op.kwargs}
-            if op.target in _SHAPE_ARG and results:
-                k = _SHAPE_ARG[op.target]
-                local = state.op_output(op.id, 0).local_shape(program.values[results[0]].shape, state.mesh)
-                args = (*args[:k], list(local), *args[k + 1:])
-            args = _localize(op.target, args, state, op.id, results)
-            out = _run_local(op, args, kwargs, state, m, m.coords[d])
+            args, kwargs = local_args(op, _subst(op.args, it), {k: _subst(a, it) for k, a in op.kwargs}, state)
+            out = run_local(op, args, kwargs, state, m.coords[d])
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
             j = 0
             for o_id, t in zip(op.outputs, outs):
@@ -216,18 +215,30 @@ def simulate(
     return SimResult(max(diffs.values(), default=0.0), diffs, rel, mismatch, lower(state), executed)
 
 
-def _run_local(op, args: tuple, kwargs: dict, state: ShardingState, m: _Mesh, c: dict[str, int]) -> Any:
+def local_args(op, args: tuple, kwargs: dict, state: ShardingState) -> tuple[tuple, dict]:
+    """An op's arguments on one device, its tensors already its local operands: shape arguments (view sizes,
+    creation sizes) and sizes that depend on a tiled dim made local."""
+    results = [o for o in op.outputs if o >= 0]
+    if op.target in _SHAPE_ARG and results:
+        k = _SHAPE_ARG[op.target]
+        local = state.op_output(op.id, 0).local_shape(state.program.values[results[0]].shape, state.mesh)
+        args = (*args[:k], list(local), *args[k + 1:])
+    return _localize(op.target, args, state, op.id, results), kwargs
+
+
+def run_local(op, args: tuple, kwargs: dict, state: ShardingState, c: dict[str, int]) -> Any:
     """The op on device `c`'s tiles: the aten op itself, except where a rule tiles a factor whose local kernel
     is another computation (an embedding table's rows: `rules.indexing`)."""
     prog = state.program
     if op.target == "aten.embedding.default":
         table = required_operand(state, op.id, 0)
         if table.dims[0]:
-            return masked_embedding(args[0], args[1], m.region(table, prog.values[op.args[0].id].shape, c)[0].start)
+            first = region(state.mesh, table, prog.values[op.args[0].id].shape, c)[0].start
+            return masked_embedding(args[0], args[1], first)
     elif op.target == "aten.embedding_dense_backward.default":
         out = state.op_output(op.id, 0)
         if out.dims[0]:  # the device's rows of the whole scatter-add: the rows a masked scatter-add gives
-            return op.overload(*args, **kwargs)[m.region(out, prog.values[op.outputs[0]].shape, c)[0]]
+            return op.overload(*args, **kwargs)[region(state.mesh, out, prog.values[op.outputs[0]].shape, c)[0]]
     return op.overload(*args, **kwargs)
 
 

@@ -14,7 +14,7 @@ LAYERS: list[set[str]] = [
     {"capture", "workload"},
     {"rules"},
     {"analysis", "propagate"},
-    {"lower"},
+    {"lower", "layout"},  # layout: the walk between two shardings, its steps (lower counts them, backends run them)
     {"tactics", "simulate"},
     {"cost"},
     {"plan"},  # the result type: search() returns one, so it sits below search
@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"api", "lightning", "cli", "__init__"},  # the facades
 ]
 LAYER = {u: i for i, layer in enumerate(LAYERS) for u in layer}
-CORE = ("capture", "ir", "rules", "analysis", "propagate", "lower", "tactics", "cost", "search", "plan")
+CORE = ("capture", "ir", "rules", "analysis", "propagate", "lower", "layout", "tactics", "cost", "search", "plan")
 MAX_LINES = 500
 
 

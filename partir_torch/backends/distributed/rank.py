@@ -1,0 +1,223 @@
+"""The per-rank program of a plan: the captured step run on one device's local shards, with the plan's
+collectives as explicit functional collectives, then traced once (`make_fx`) into one FX graph.
+
+It is the simulator's per-device program (`simulate.py`, proven equal to unsharded on the zoo) for one
+coordinate, with the emulated collectives replaced by real ones:
+
+    for op in program order:
+        each operand: its local tensor in the layout the op reads it in (`lower.required_operand`),
+            resharded by the steps of `layout.walk` (= `lower.transitions`), once per (value, layout)
+            and through a view's root as `lower` dedups them (`lower.dedup_key`: the root resharded, the
+            view made again locally);
+        the op on local tensors (`simulate.local_args`, `simulate.run_local`: local shape arguments, the
+            masked embedding of a row-split table), a mean over a split factor rescaled;
+        each result resharded from what the op makes (`op_output`) to the value's sharding.
+    the end: updated parameters and states back to their input's sharding, the loss replicated.
+
+So the collectives the rank runs are those `lower(state)` lists, by construction. Random ops draw the
+whole tensor from the generator (the same seed on every rank) and keep the rank's part, so a sharded
+dropout mask is the unsharded one (`rules/random.py`); only a draw whose operand's values decide it
+(`bernoulli(p_tensor)`) gathers that operand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from partir_torch.layout import Layout, Step, walk
+from partir_torch.backends.distributed.reshard import Exchange, run_walk
+from partir_torch.ir.program import Ref
+from partir_torch.ir.sharding import Sharding
+from partir_torch.lower import dedup_key, pull_back, relayouts, required_operand
+from partir_torch.propagate import ShardingState
+from partir_torch.rules.base import op_tags, tensor_args
+from partir_torch.rules.random import SEEDED_TAG
+from partir_torch.simulate import _SHAPE_ARG, local_args, run_local
+
+# random ops whose tensor operand gives only a shape and dtype: drawn on an empty tensor of the global shape
+SHAPE_ONLY = frozenset({"aten.rand_like.default", "aten.randn_like.default", "aten.randint_like.default",
+                        "aten.randint_like.low_dtype", "aten.bernoulli.p", "aten.uniform.default",
+                        "aten.exponential.default"})
+
+
+class RankProgram:
+    """The step of `state` on the device at `exchange.coord`. Called with the local tensors of the program's
+    inputs (`Program._placeholder_ids` order), it returns the loss (replicated) then the updated values
+    (`program.updates`, in order) in their inputs' shardings; with `grads=True` the gradients too."""
+
+    def __init__(self, state: ShardingState, exchange: Exchange, *, grads: bool = False,
+                 on_step: Callable[[int, Step], None] | None = None) -> None:
+        self.state, self.program, self.exchange = state, state.program, exchange
+        self.relay = relayouts(self.program, state.rules)
+        self.grads = grads
+        self.on_step = on_step  # (value, step): each step the rank runs, as it runs it
+        self._walks: dict[tuple, list[Step]] = {}
+
+    @property
+    def inputs(self) -> list[int]:
+        return self.program._placeholder_ids()
+
+    @property
+    def outputs(self) -> list[int]:
+        p = self.program
+        out = [p.loss] if p.loss is not None else []
+        out += list(p.updates)
+        if self.grads:
+            out += list(p.grads.values())
+        return out
+
+    def local_shapes(self) -> list[tuple[int, ...]]:
+        vals, shard, mesh = self.program.values, self.state.shard, self.state.mesh
+        return [shard[v].local_shape(vals[v].shape, mesh) for v in self.inputs]
+
+    # -- resharding ------------------------------------------------------------------------------------
+    def walk(self, v: int, src: Sharding, dst: Sharding) -> list[Step]:
+        val = self.program.values[v]
+        key = (val.shape, val.dtype.itemsize, src, dst)
+        got = self._walks.get(key)
+        if got is None:
+            got = self._walks[key] = walk(src, dst, val.shape, val.dtype.itemsize, self.state.mesh)
+        return got
+
+    def convert(self, x: torch.Tensor, v: int, src: Sharding, dst: Sharding) -> torch.Tensor:
+        if src == dst:
+            return x
+        on = None if self.on_step is None else (lambda s: self.on_step(v, s))
+        return run_walk(self.exchange, x, self.walk(v, src, dst), self.program.values[v].shape, on)
+
+    def reshard(self, env: dict[int, torch.Tensor], cache: dict, v: int, src: Sharding, dst: Sharding, x=None
+                ) -> torch.Tensor:
+        """Value `v` (local `x`, or `env[v]` in its own sharding) from `src` to `dst`, as `lower` counts it: once
+        per dedup key; a reshard of a view made as its root's reshard, the view applied again locally."""
+        if src == dst:
+            return env[v] if x is None else x
+        state = self.state
+        key = dedup_key(state, self.relay, v, src, dst)
+        u, d_root = key
+        hit = cache.get(key)
+        if hit is None:
+            if u == v:
+                hit = self.convert(env[v] if x is None else x, v, src, dst)
+            else:
+                hit = self.convert(env[u], u, state.shard[u], d_root)
+            cache[key] = hit
+        return hit if u == v else self._view_again(hit, v, src, dst)
+
+    def _view_again(self, root: torch.Tensor, v: int, src: Sharding, dst: Sharding) -> torch.Tensor:
+        """`v` in `dst` from its root's local tensor in the matching layout: the chain of views of
+        `lower.relayout_root` run again, each on local shapes."""
+        chain = []
+        rules, prog = self.state.rules, self.program
+        while (o := self.relay[v]) >= 0:
+            rule = rules[o]
+            s, d = pull_back(rule, src), pull_back(rule, dst)
+            if s is None or d is None:
+                break
+            chain.append((o, dst))
+            v, src, dst = rule.operands[0].value, s, d
+        x = root
+        for o, out_sh in reversed(chain):
+            op = prog.ops[o]
+            it = iter([x.contiguous()])
+            args = _subst(op.args, it)
+            if op.target in _SHAPE_ARG:
+                k = _SHAPE_ARG[op.target]
+                local = out_sh.local_shape(prog.values[op.outputs[0]].shape, self.state.mesh)
+                args = (*args[:k], list(local), *args[k + 1:])
+            x = op.overload(*args, **dict(op.kwargs))
+        return x
+
+    # -- the step --------------------------------------------------------------------------------------
+    def __call__(self, *local: torch.Tensor) -> list[torch.Tensor]:
+        state, prog = self.state, self.program
+        env: dict[int, torch.Tensor] = dict(zip(self.inputs, local))
+        for attr, vid in prog.constants.items():
+            const = getattr(prog.graph_module, attr)
+            env[vid] = self.exchange._local(const, Layout.of(Sharding.replicated(const.dim())),
+                                            Layout.of(state.shard[vid]), tuple(const.shape))
+        cache: dict = {}
+        for op in prog.ops:
+            rule = state.rules[op.id]
+            results = [o for o in op.outputs if o >= 0]
+            if draws(op):
+                for r, (v, t) in enumerate(zip(results, self._draw(op, env, cache))):
+                    env[v] = self.reshard(env, cache, v, state.op_output(op.id, r), state.shard[v], t)
+                continue
+            operands = [self.reshard(env, cache, t.value, state.shard[t.value], required_operand(state, op.id, i))
+                        for i, t in enumerate(rule.operands)]
+            if not rule.operands and (meta := tensor_args(op)):  # read for dtype and device only
+                operands = [env[v] for v in meta]
+            contiguous = op.target in ("aten.view.default", "aten._unsafe_view.default")
+            it = iter(x.contiguous() if contiguous else x for x in operands)
+            args, kwargs = local_args(op, _subst(op.args, it), {k: _subst(a, it) for k, a in op.kwargs}, state)
+            out = run_local(op, args, kwargs, state, self.exchange.coord)
+            outs = [t for o_id, t in zip(op.outputs, out if isinstance(out, (tuple, list)) else [out]) if o_id >= 0]
+            for r, (v, t) in enumerate(zip(results, outs)):
+                k = state.mean_scale(op.id, r)
+                if k > 1:
+                    t = t / k
+                env[v] = self.reshard(env, cache, v, state.op_output(op.id, r), state.shard[v], t)
+        res = []
+        if prog.loss is not None:
+            res.append(self.reshard(env, cache, prog.loss, state.shard[prog.loss], Sharding.replicated(0)))
+        for new, old in prog.updates.items():
+            res.append(self.reshard(env, cache, new, state.shard[new], state.shard[old]))
+        if self.grads:
+            res += [env[g] for g in prog.grads.values()]
+        return res
+
+    def _draw(self, op, env: dict[int, torch.Tensor], cache: dict) -> list[torch.Tensor]:
+        """A random op's results on this rank (in `op_output`'s layouts): the whole tensor drawn as the
+        unsharded step draws it, the rank's part kept."""
+        state, vals = self.state, self.program.values
+        ins = tensor_args(op)
+        dropout = op.target == "aten.native_dropout.default"
+        if op.target in SHAPE_ONLY or dropout:
+            whole = [torch.empty(vals[v].shape, dtype=vals[v].dtype, device=env[v].device) for v in ins]
+        else:
+            whole = [self.reshard(env, cache, v, state.shard[v], Sharding.replicated(len(vals[v].shape)))
+                     for v in ins]
+        it = iter(whole)
+        out = op.overload(*_subst(op.args, it), **{k: _subst(a, it) for k, a in op.kwargs})
+        outs = [t for o_id, t in zip(op.outputs, out if isinstance(out, (tuple, list)) else [out]) if o_id >= 0]
+        local = [self.exchange._local(t, Layout.of(Sharding.replicated(t.dim())), Layout.of(state.op_output(op.id, r)),
+                                      tuple(t.shape)) for r, t in enumerate(outs)]
+        if dropout:  # the mask drawn whole; the output is this rank's input times its part of the mask
+            p, train = op.args[1], op.args[2] if len(op.args) > 2 else True
+            x = self.reshard(env, cache, ins[0], state.shard[ins[0]], required_operand(state, op.id, 0))
+            local[0] = x * local[1] * (1.0 / (1.0 - p)) if train and p < 1 else (x * local[1] if train else x)
+        return local
+
+
+def draws(op) -> bool:
+    """Whether the op draws random numbers: tagged so by torch, and not an attention kernel called with
+    `dropout_p=0` (torch tags the SDPA kernels as seeded for their dropout)."""
+    if SEEDED_TAG not in op_tags(op.target):
+        return False
+    names = [a.name for a in op.overload._schema.arguments]
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        p = dict(op.kwargs).get("dropout_p", op.args[i] if i < len(op.args) else 0.0)
+        return bool(p)
+    return True
+
+
+def _subst(a: Any, it) -> Any:
+    if isinstance(a, Ref):
+        return next(it)
+    if isinstance(a, list):
+        return [_subst(x, it) for x in a]
+    if isinstance(a, tuple):
+        return tuple(_subst(x, it) for x in a)
+    return a
+
+
+def trace(program: RankProgram, local: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
+    """The rank program as one FX graph of aten ops and functional collectives (`make_fx` on fake tensors:
+    nothing runs, no collective is issued)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(program, tracing_mode="fake")(*local)
