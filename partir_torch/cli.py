@@ -120,13 +120,13 @@ def cmd_coverage(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     import torch
 
+    import partir_torch.search  # noqa: F401  (the search's actions and Auto, read from a plan's decisions)
     from partir_torch import workload
     from partir_torch.capture import capture
     from partir_torch.ir import Mesh
     from partir_torch.lower import summarize
     from partir_torch.plan import ShardingPlan, specs
     from partir_torch.search import Budget, SearchConfig
-    from partir_torch.search.api import rebuild
     from partir_torch.simulate import simulate
     from partir_torch.tactics import apply_schedule
 
@@ -146,7 +146,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     program = capture(model, inputs, loss_fn, args.optimizer, assume_compiling=args.assume_compiling,
                       fallback=args.fallback)
     if plan is not None:
-        state = rebuild(plan, program, fallback=args.fallback)
+        state = plan.to_state(program, fallback=args.fallback)
         args.schedule = f"plan {args.plan}"
     else:
         config = SearchConfig(seed=args.seed, budget=Budget.parse(args.budget))  # Auto: bounded, default or given

@@ -108,6 +108,16 @@ class ShardingState:
         new.record = Changes(sealed)
         return new
 
+    def digest(self) -> str:
+        """A hash of every decision's effect (shardings, factor assignments, passed-through sums, fences, the
+        parameters read gathered): two states with the same digest lower to the same program."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for part in (self.shard, self.assign, self.passthrough, self.locked, sorted(self.gathered.items())):
+            h.update(repr([sorted(x.items()) if isinstance(x, dict) else x for x in part]).encode())
+        return h.hexdigest()[:16]
+
     def seal(self) -> Changes:
         """Close the open record of changes and return it (the last closed one when nothing changed since)."""
         rec = self.record

@@ -76,7 +76,8 @@ def test_a_saved_plan_has_everything_to_apply_it_and_loads_back(tmp_path):
     model, inputs, plan = _tiny_plan("batch=2:dcn,model=4")
     plan.save(tmp_path / "p.json")
     d = json.loads((tmp_path / "p.json").read_text())
-    assert d["format"] == 5 and d["mesh"] == {"axes": {"batch": 2, "model": 4}, "dcn": ["batch"]}
+    assert d["format"] == 6 and d["mesh"] == {"axes": {"batch": 2, "model": 4}, "dcn": ["batch"]}
+    assert d["decisions"] == ["batch:BatchParallel", "model:Megatron"] and len(d["state_hash"]) == 16
     assert d["hardware"] == "cpu-virtual" and d["schedule"] == "batch:BatchParallel;model:Megatron"
     assert d["optimizer"] == "adamw" and len(d["program_hash"]) == 16
     assert d["input_args"] == [0, None]  # tokens reach forward() as its first argument, targets do not
@@ -87,6 +88,32 @@ def test_a_saved_plan_has_everything_to_apply_it_and_loads_back(tmp_path):
     back = ShardingPlan.load(tmp_path / "p.json")
     assert back.to_json() == plan.to_json()
     back.check(model, inputs, mesh={"batch": 2, "model": 4})  # fits: no error
+
+
+def test_a_plan_file_of_another_format_says_what_to_do(tmp_path):
+    _, _, plan = _tiny_plan()
+    (tmp_path / "old.json").write_text(json.dumps({**plan.to_json(), "format": 5}))
+    with pytest.raises(PartirError, match=r"plan format 5 is not this version's \(6\).*search the plan again"):
+        ShardingPlan.load(tmp_path / "old.json")
+
+
+def test_a_plan_is_its_decisions_replayed_to_the_state_it_was_costed_on():
+    """Manual tactics (their fences are not actions) and searched axes: one replay of the saved decisions gives
+    the same state (digest), and a replay that gives another state is refused (the search's ZeRO moves:
+    `tests/test_cli.py::test_simulate_a_saved_plan_replays_its_decisions`)."""
+    from partir_torch.plan import PlanMismatchError
+    from partir_torch.search.api import search
+
+    model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
+    program = capture(model, inputs, loss_fn, "adamw")
+    for schedule in ("batch:FSDP;model:Megatron", "batch:BatchParallel;model:Auto", "*:Auto"):
+        plan = search(model, inputs, "batch=2,model=4", loss_fn=loss_fn, optimizer="adamw", schedule=schedule,
+                      budget=40, memory="600KiB", require_fit=False, cache=False)
+        back = ShardingPlan.from_json(json.loads(json.dumps(plan.to_json())))
+        assert back.to_state(program).digest() == plan.state_hash, schedule
+    back.decisions = back.decisions[:-1]
+    with pytest.raises(PlanMismatchError, match="does not rebuild the state it was costed on"):
+        back.to_state(program)
 
 
 def test_a_plan_that_does_not_fit_says_every_mismatch(tmp_path):

@@ -26,12 +26,12 @@ from partir_torch.plan.reads import (
     grads_made,
     model_output,
     module_inputs,
-    module_outputs,
     output_shardings,
     param_reads,
     read_grads,
 )
 from partir_torch.propagate import ShardingState
+from partir_torch.tactics.schedule import decision_text
 
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
 
@@ -137,10 +137,11 @@ def specs(state: ShardingState) -> PlanSpecs:
     )
 
 
-FORMAT = 5  # the version of the saved plan's JSON; `load` refuses other versions (2: `calls` outs; 3: calls
+FORMAT = 6  # the version of the saved plan's JSON; `load` refuses other versions (2: `calls` outs; 3: calls
 # on constants are not numbered, `capture.attribution.Constants`; 4: a pending sum's gradient spec is where the
 # optimizer reads it, `reads.grad_shardings`; 5: `grads_made`, the tiling a reduce-scattered gradient is made
-# in, and `read_grads`, a tied weight's read's gradient)
+# in, and `read_grads`, a tied weight's read's gradient; 6: `decisions` and `state_hash`, the plan is its
+# decisions, replayed to rebuild the state it was costed on)
 
 
 class PlanMismatchError(PartirError):
@@ -182,6 +183,9 @@ class ShardingPlan:
     # the program was captured with torch.compiler.is_compiling() true (`capture(assume_compiling=True)`): a
     # backend runs the model's forward so too, on the path the library takes when compiled, as captured
     compiling: bool = False
+    # the state's decisions in order (`tactics.schedule.decision_text`): replayed, they rebuild it exactly
+    decisions: list[str] = field(default_factory=list)
+    state_hash: str | None = None  # `ShardingState.digest()` of that state (a replay is checked against it)
 
     @classmethod
     def from_state(cls, state: ShardingState, cost, *, schedule: str | None = None, hardware: str | None = None,
@@ -198,7 +202,8 @@ class ShardingPlan:
                    dcn_axes=sorted(dcn_axes), conflicts=[c.describe(p) for c in state.conflicts], search=search,
                    buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}), shapes=shapes,
                    input_args=list(p.input_args), optimizer=p.optimizer, program_hash=p.content_hash(),
-                   compiling=p.compiling, **{f.name: getattr(sp, f.name) for f in fields(PlanSpecs)})
+                   compiling=p.compiling, decisions=[decision_text(d) for d in state.actions],
+                   state_hash=state.digest(), **{f.name: getattr(sp, f.name) for f in fields(PlanSpecs)})
 
     @property
     def specs(self) -> PlanSpecs:
@@ -213,7 +218,8 @@ class ShardingPlan:
                "module_inputs": self.module_inputs, "param_reads": self.param_reads, "calls": self.calls,
                "output": self.output, "grads_made": self.grads_made, "read_grads": self.read_grads,
                "shapes": self.shapes,
-               "cost": self.cost, "conflicts": self.conflicts, "blocked": self.blocked}
+               "cost": self.cost, "conflicts": self.conflicts, "blocked": self.blocked,
+               "decisions": self.decisions, "state_hash": self.state_hash}
         if self.compiling:
             out["compiling"] = True
         if self.search is not None:
@@ -225,9 +231,11 @@ class ShardingPlan:
     @classmethod
     def from_json(cls, d: dict[str, Any] | str) -> ShardingPlan:
         d = json.loads(d) if isinstance(d, str) else d
-        if d.get("format", FORMAT) != FORMAT:
-            raise PlanMismatchError(f"plan format {d.get('format')!r} is not this version's ({FORMAT}); "
-                                    "search the plan again with this version of partir_torch")
+        if d["format"] != FORMAT:  # (no format at all: not a plan, a KeyError)
+            raise PlanMismatchError(f"plan format {d['format']!r} is not this version's ({FORMAT}): a plan is now "
+                                    "saved with its decisions, which older files lack; search the plan again with "
+                                    "this version of partir_torch (partir_torch.search(...) or `partir-torch plan`) "
+                                    "and save it")
         return cls(dict(d["mesh"]["axes"]), d["params"], d["inputs"], d["optimizer_state"], d["cost"],
                    d.get("schedule"), d.get("hardware"), list(d["mesh"].get("dcn", [])), d.get("conflicts", []),
                    d.get("search"), d.get("buffers", {}), d.get("activations", {}), d.get("grads", {}),
@@ -235,7 +243,7 @@ class ShardingPlan:
                    d.get("grads_made", {}), d.get("read_grads", {}), d.get("shapes", {}),
                    d.get("input_args", []),
                    d.get("optimizer"), d.get("program_hash"), d.get("blocked", []), d.get("cache"),
-                   bool(d.get("compiling", False)))
+                   bool(d.get("compiling", False)), list(d.get("decisions", [])), d.get("state_hash"))
 
     def save(self, path: str | os.PathLike) -> None:
         """The plan as JSON (`ShardingPlan.load` reads it back)."""
@@ -289,57 +297,25 @@ class ShardingPlan:
             raise PlanMismatchError("the plan does not fit this model:\n  - " + "\n  - ".join(problems))
 
     def to_state(self, program, *, fallback: bool = False) -> ShardingState:
-        """The plan's shardings on `program` (the step of the model the plan was made for, folded or not): what
-        the simulator runs for a saved plan. A plan of manual tactics is rebuilt by running its schedule; a
-        searched one by applying every saved spec as tile actions (parameters, buffers, inputs, optimizer
-        states, then gradients and module outputs), each propagated. Either way the result must give back
-        every saved spec, else `PlanMismatchError` lists each value that differs."""
-        from partir_torch.errors import IllegalActionError
-        from partir_torch.ir import Mesh, Tile
-        from partir_torch.rules.decompose import prepare
-        from partir_torch.tactics import apply_schedule
+        """The state the plan was costed on, on `program` (the step of the model the plan was made for, folded
+        or not): its decisions replayed (`tactics.schedule.replay`), checked against `state_hash`, so a
+        backend runs, and the simulator proves, exactly what was searched. A mismatch (another model, config
+        or version) raises `PlanMismatchError`."""
+        from partir_torch.tactics.schedule import parse_decision, replay
 
         mesh = Mesh.of(self.mesh)
-        problems: list[str] = []
-        if self.schedule and "auto" not in self.schedule.lower():
-            state = apply_schedule(program, mesh, self.schedule, fallback=fallback)
-        else:
-            state = ShardingState(prepare(program, fallback=fallback), mesh, fallback=fallback)
-            p = state.program
-            outs = module_outputs(p)
-            wanted: list[tuple[str, int | None, Spec]] = [(f"parameter {n}", p.params.get(n), s)
-                                                          for n, s in self.params.items()]
-            wanted += [(f"buffer {n}", p.buffers.get(n), s) for n, s in self.buffers.items()]
-            wanted += [(f"input {i}", p.inputs[i] if i < len(p.inputs) else None, s) for i, s in enumerate(self.inputs)]
-            wanted += [(f"optimizer state {k} of {n}", p.opt_states.get(n, {}).get(k), s)
-                       for n, st in self.optimizer_state.items() for k, s in st.items()]
-            wanted += [(f"gradient of {n}", p.grads.get(n), s) for n, s in self.grads.items()]
-            wanted += [(f"output of module {m}", outs.get(m), s) for m, s in self.activations.items()]
-            problems += [f"{what} is not in the captured program" for what, v, _ in wanted if v is None]
-            out_vals, grad_vals = set(outs.values()), set(p.grads.values())
-            for what, v, spec in wanted:
-                if v is not None and state.shard[v].partial and (v in out_vals or (v in grad_vals and any(
-                        a in state.shard[v].partial for e in spec if e for a in ([e] if isinstance(e, str) else e)))):
-                    continue  # a pending sum's spec is where its readers reduce it to (`reads.output_shardings`,
-                    # `reads.grad_shardings`)
-                for d, entry in enumerate(spec if v is not None else ()):
-                    for axis in [] if entry is None else [entry] if isinstance(entry, str) else entry:
-                        if axis in state.shard[v].dims[d]:
-                            continue  # implied by an earlier one
-                        try:
-                            state.apply(Tile(p.values[v].name, d, axis))
-                        except IllegalActionError as e:
-                            problems.append(f"{what}: {e}")
-        got, mine = specs(state), self.specs
-        for kind, a, b in (("parameter", got.params, mine.params), ("gradient of", got.grads, mine.grads),
-                           ("output of module", got.activations, mine.activations)):
-            problems += [f"{kind} {n}: the plan says {b[n]}, applying it gives {a[n]}"
-                         for n in b if n in a and a[n] != b[n]]
-        problems += [f"input {i}: the plan says {b}, applying it gives {a}"
-                     for i, (a, b) in enumerate(zip(got.inputs, mine.inputs)) if a != b]
-        if problems:
-            raise PlanMismatchError("the plan cannot be rebuilt on this program as saved (was it made for another "
-                                    "model, config or partir_torch version?):\n  - " + "\n  - ".join(problems[:20]))
+        try:
+            state = replay(program, mesh, [parse_decision(t, mesh) for t in self.decisions], fallback=fallback)
+        except PartirError as e:
+            raise PlanMismatchError(f"the plan's decisions do not apply to this program (was it made for another "
+                                    f"model, config or partir_torch version?): {e}") from e
+        if self.state_hash is not None and state.digest() != self.state_hash:
+            got, mine = specs(state), self.specs
+            diff = [f"parameter {n}: the plan says {mine.params[n]}, its decisions give {got.params.get(n)}"
+                    for n in mine.params if got.params.get(n) != mine.params[n]]
+            raise PlanMismatchError("replaying the plan's decisions does not rebuild the state it was costed on (was "
+                                    "it made for another model, config or partir_torch version?)"
+                                    + "".join(f"\n  - {x}" for x in diff[:20]))
         return state
 
     def table(self, top: int = 20) -> str:

@@ -275,39 +275,6 @@ def plan_program(program, mesh, tactics: list, config: SearchConfig, *, schedule
     return plan, state
 
 
-def rebuild(plan, program, *, fallback: bool = False) -> ShardingState:
-    """The state a saved plan was costed as, on `program` (the step of its model): for a searched plan, its
-    schedule's manual tactics, then the search's chosen actions replayed from its log; `plan.to_state`
-    (the saved specs applied as tiles) when the plan has no log, its searches do not come last, or the
-    replay does not give back every saved spec. Replaying restores what specs cannot: a ZeRO move's fences
-    and the order of late tiles, which decide how propagation resolves conflicts."""
-    from partir_torch.ir import Mesh
-    from partir_torch.plan import specs
-    from partir_torch.search.space import apply_action, parse_action
-
-    entries = (plan.search or {}).get("per_axis") or []
-    chosen = [a for e in entries if e.get("chosen") for a in e["actions"]]
-    if chosen and plan.schedule:
-        mesh = Mesh.of(plan.mesh)
-        try:
-            tactics = parse_schedule(plan.schedule, mesh)
-        except PartirError:
-            tactics = []
-        searched = [t.searched for t in tactics]
-        if searched and all(searched[searched.index(True):]):
-            state = apply_schedule(program, mesh, [t for t in tactics if not t.searched], fallback=fallback)
-            try:
-                replayed = all(apply_action(state, parse_action(text)) for text in chosen)
-            except ValueError:
-                replayed = False
-            if replayed:
-                got, mine = specs(state), plan.specs
-                if (got.params, got.inputs, got.grads, got.activations) == (
-                        mine.params, mine.inputs, mine.grads, mine.activations):
-                    return state
-    return plan.to_state(program, fallback=fallback)
-
-
 def summarize_log(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not entries:
         return None

@@ -27,6 +27,7 @@ from partir_torch.ir.actions import Tile
 from partir_torch.ir.program import Program, Role
 from partir_torch.propagate import ShardingState
 from partir_torch.search.zero import ShardOptimizer, fits, zero_all
+from partir_torch.tactics.schedule import register_action
 
 
 @dataclass(frozen=True, order=True)
@@ -63,6 +64,9 @@ def parse_action(text: str) -> Tile | TileLate | ShardOptimizer:
 
 
 Action = Tile | TileLate | ShardOptimizer
+register_action(_TILE.pattern.replace("(?P<late>, late)?", ", late"))(lambda m: TileLate(m["target"], int(m["dim"]),
+                                                                                        m["axis"]))
+register_action(_ZERO.pattern)(lambda m: ShardOptimizer(m["target"], int(m["dim"]), m["axis"], int(m["stage"])))
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,12 @@ class ShardOptimizer:
         return f"zero{self.stage}({self.target}, {self.dim}, {self.axis!r})"
 
     def apply(self, state: ShardingState) -> None:
+        """Fence, then tile; the state records this move as one decision (its tiles follow from it)."""
+        made = len(state.actions)
+        self._apply(state)
+        state.actions[made:] = [self]
+
+    def _apply(self, state: ShardingState) -> None:
         p = state.program
         if self.target == "*":  # every parameter with optimizer state, each on its first dim that divides
             chosen = zero_all(state, self.axis, self.stage)
@@ -41,7 +47,6 @@ class ShardOptimizer:
             self._fence(state, [n for n, _ in chosen])  # all fences first: no tile may leak past a later fence
             for name, d in chosen:
                 self._tiles(state, [name], d)
-            state.actions.append(self)
             return
         members = [p.values[v].name for v in state.resolve(self.target)]
         for name in members:
@@ -49,7 +54,6 @@ class ShardOptimizer:
                 raise IllegalActionError(f"{name} has no optimizer state to shard")
         self._fence(state, members)
         self._tiles(state, members, self.dim)
-        state.actions.append(self)
 
     def _fence(self, state: ShardingState, members: list[str]) -> None:
         p = state.program

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from partir_torch.layout import Layout, Step
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
+from partir_torch.layout import Layout, Step
 
 
 class ReshardError(PartirError):

@@ -1,4 +1,4 @@
-"""Manual tactics and schedules: the expert strategies, written as actions plus propagation.
+"""The manual tactics: the expert strategies, written as actions plus propagation.
 
 A schedule is applied in order, each tactic to its fixpoint; later tactics never undo earlier decisions.
 Text form: `"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` (`ZeRO3`, `FSDP`, `DP` also read).
@@ -24,73 +24,16 @@ this module names no tactic of a later layer.
 from __future__ import annotations
 
 import fnmatch
-import math
-import re
-import threading
-import time
-import warnings
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar
 
-from partir_torch.errors import IllegalActionError, PartirError
 from partir_torch.ir.actions import Tile
-from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Phase, Program, Role
 from partir_torch.ir.sharding import divides, tile_count
 from partir_torch.propagate import ShardingState
 from partir_torch.rules.tables import CASTS, LINEAR, PAIR_STOPS, TRANSPOSES
-
-
-class ScheduleError(PartirError):
-    """A schedule names an unknown tactic or axis, or cannot be parsed."""
-
-
-INTERRUPTED = threading.Event()  # set by Ctrl-C during a search: the schedule's later tactics are not applied
-
-
-@dataclass
-class Context:
-    """What a tactic gets beside the state: the search's configuration (`search.api.SearchConfig`, read by
-    `Auto`; None: its defaults), and `blocked`, where a tactic says why values it meant to shard stayed
-    replicated (the schedule's warning)."""
-
-    search: Any = None
-    blocked: list[str] = field(default_factory=list)
-
-
-class Tactic(Protocol):
-    """One entry of a schedule. `searched`: it searches its axes (each axis is searched at most once);
-    `axes`: the axes it decides (None: every axis the earlier tactics left free)."""
-
-    searched: ClassVar[bool]
-
-    @property
-    def axes(self) -> tuple[str, ...] | None: ...
-
-    def apply(self, state: ShardingState, context: Context | None = None) -> ShardingState: ...
-
-    def text(self) -> str: ...
-
-
-# lower-case name -> reads `axes` (None for `*`) and the arguments of a schedule entry into a tactic
-_REGISTRY: dict[str, Callable[[tuple[str, ...] | None, list[str]], Tactic]] = {}
-
-
-def register_tactic(*names: str):
-    """Class decorator: the schedule text calls the class's `from_text(axes, args)` for these names."""
-
-    def deco(cls):
-        for n in names:
-            _REGISTRY[n.lower()] = cls.from_text
-        return cls
-
-    return deco
-
-
-def registered_tactics() -> list[str]:
-    return sorted(_REGISTRY)
+from partir_torch.tactics.schedule import Context, ScheduleError, register_tactic
 
 
 @dataclass(frozen=True)
@@ -321,176 +264,3 @@ class Manual:
                     for axis in [] if entry is None else [entry] if isinstance(entry, str) else entry:
                         state.apply(Tile(v.name, d, axis))
         return state
-
-
-_ENTRY = re.compile(r"([\w,+*]+)\s*:\s*([A-Za-z_]+?)(\d)?\s*(?:\((.*)\))?")
-
-
-def parse_schedule(text: str, mesh: Mesh) -> list[Tactic]:
-    """`"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` -> tactics; axes are checked against the mesh.
-
-    An entry is `axes:Name[digit][(arguments)]`, `axes` one axis, several (`batch,model`) or `*`; the name
-    is looked up in the registry (`register_tactic`), whose entry reads the axes and arguments."""
-    out: list[Tactic] = []
-    for part in filter(None, (s.strip() for s in text.split(";"))):
-        if part.lower() == "fallback":  # an option of the schedule, not a tactic (`wants_fallback`)
-            continue
-        m = _ENTRY.fullmatch(part)
-        if not m:
-            raise ScheduleError(f"cannot parse schedule entry {part!r}; write axis:Tactic, e.g. batch:BatchParallel")
-        axes_text, name, digit, arg_text = m.groups()
-        names = [a for a in re.split(r"[,+]", axes_text) if a]
-        if names != ["*"]:
-            for a in names:
-                if a not in mesh.names:
-                    raise ScheduleError(f"schedule entry {part!r} names axis {a!r}; the mesh has axes "
-                                        f"{list(mesh.names)}")
-        make = _REGISTRY.get(name.lower())
-        if make is None:
-            raise ScheduleError(
-                f"unknown tactic {name!r} in {part!r}; known: BatchParallel (DP), Megatron, ZeRO(1|2|3), FSDP, "
-                "Auto(goal) with goal time|communication|zero"
-            )
-        args = [x.strip() for x in (arg_text or "").split(",") if x.strip()]
-        try:
-            out.append(make(None if names == ["*"] else tuple(names), ([digit] if digit else []) + args))
-        except PartirError as e:
-            raise ScheduleError(f"{part!r}: {e}") from None
-    if not out:
-        raise ScheduleError("empty schedule")
-    _check_reuse(out, mesh, text)
-    return out
-
-
-def _check_reuse(tactics: list[Tactic], mesh: Mesh, text: str) -> None:
-    """A tactic may build on an earlier one on the same axis (DP then ZeRO), but not repeat it, and an
-    axis is searched at most once."""
-    seen: set[tuple[str, str]] = set()
-    searched: set[str] = set()
-    for t in tactics:
-        if t.searched:
-            axes = t.axes or tuple(a for a in mesh.names if a not in {ax for ax, _ in seen})
-            again = searched.intersection(axes)
-            if again:
-                raise ScheduleError(f"schedule {text!r} searches axis {sorted(again)[0]!r} twice; give each axis one "
-                                    "Auto")
-            searched.update(axes)
-            continue
-        for axis in t.axes or ():
-            key = (axis, type(t).__name__)
-            if key in seen:
-                raise ScheduleError(f"schedule {text!r} applies {key[1]} on axis {key[0]!r} twice")
-            seen.add(key)
-
-
-def wants_fallback(schedule: str | list | None) -> bool:
-    """A schedule text with a `fallback` entry (`"fallback;batch:BatchParallel"`) runs ops without rules
-    replicated, as `fallback=True` does."""
-    return isinstance(schedule, str) and any(p.strip().lower() == "fallback" for p in schedule.split(";"))
-
-
-def warn_fallbacks(state: ShardingState) -> list[str]:
-    """One warning per op without a rule (run replicated): the op, its module and source line, and the
-    collectives its replicated operands add to the plan. Returns the messages."""
-    from partir_torch.lower import lower
-    from partir_torch.rules.base import rule_name, where
-
-    p = state.program
-    fell = {op.id for op in p.ops if rule_name(op.target) is None}
-    if not fell:
-        return []
-    added: dict[int, list] = {}
-    for c in lower(state):
-        if c.op in fell:
-            added.setdefault(c.op, []).append(c)
-    by: dict[tuple[str, str], list[int]] = {}
-    for o in sorted(fell):
-        by.setdefault((p.ops[o].target, where(p.ops[o])), []).append(o)
-    msgs = []
-    for (target, place), ops in by.items():
-        cs = [c for o in ops for c in added.get(o, [])]
-        kinds = sorted({f"{c.kind} on {c.axis!r}" for c in cs})
-        cost = (f"adds {len(cs)} collective(s), {sum(c.bytes for c in cs)} bytes per device ({', '.join(kinds)})"
-                if cs else "adds no communication under this plan (its operands are replicated already)")
-        msgs.append(f"no tile-mapping rule for {target} ({len(ops)} op(s), {place}): it runs replicated "
-                    f"(fallback) and {cost}; add a rule in partir_torch/rules/<family>.py to shard it")
-    for m in msgs:
-        warnings.warn(m, stacklevel=3)
-    return msgs
-
-
-def warn_misplaced(state: ShardingState) -> list[str]:
-    """One warning per pair of axes whose order on a shared dim makes reads gather whole
-    (`lower.misplaced_reads`): a schedule's later tactic puts its axis minor on a dim an earlier one tiled, so
-    applying the tactic of the axis read first makes each read a gather of the other alone. Returns them."""
-    from partir_torch.lower import misplaced_reads
-
-    msgs = []
-    for (keep, ahead), rows in misplaced_reads(state).items():
-        total = sum(r[3] for r in rows)
-        shown = "; ".join(f"{n} held {s} read {d}" for n, s, d, _ in rows[:3])
-        more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
-        msgs.append(f"axis order: {len(rows)} value(s) are held tiled by {ahead!r} ahead of {keep!r} on a dim but "
-                    f"read with {keep!r} further ahead ({shown}{more}): each device's block of the dim changes, so "
-                    f"they are gathered whole and sliced again (these reads move {total / 2**30:.2f} GiB per device "
-                    f"a step); apply the tactic that tiles {keep!r} before the one that tiles {ahead!r} (e.g. "
-                    f"'{keep}:Megatron;{ahead}:FSDP'), so that {keep!r} is the major axis of the dim")
-    for m in msgs:
-        warnings.warn(m, stacklevel=3)
-    return msgs
-
-
-def _warn_small_budget(config, entries: list[dict], elapsed: float) -> None:
-    """A time budget the search overran (each sub-search runs at least one episode) was too small to search."""
-    seconds = config.budget.seconds
-    if seconds is None or not entries or elapsed <= 2 * seconds:
-        return
-    episodes = sum(e.get("episodes", 0) for e in entries)
-    warnings.warn(f"search budget {seconds:g} s is too small for this program: the search ran {episodes} episode(s) "
-                  f"(at least one per sub-search) in {elapsed:.2f} s, and the plan is what those found; give it more "
-                  f"time (e.g. --budget {max(10, math.ceil(20 * elapsed))}s) or a number of episodes", stacklevel=3)
-
-
-def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallback: bool = False,
-                   search=None) -> ShardingState:
-    """Apply a schedule to a fresh state. Ops without rules are decomposed first (`state.program` may then
-    be a re-traced program). `search` (a `SearchConfig`) sets the cost model and budget of `Auto` tactics.
-    An axis may be claimed by several tactics (DP then ZeRO on `batch`); each builds on the earlier ones."""
-    from partir_torch.rules.decompose import prepare
-
-    fallback = fallback or wants_fallback(schedule)
-    tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else schedule
-    state = ShardingState(prepare(program, fallback=fallback), mesh, fallback=fallback)
-    context = Context(search)
-    INTERRUPTED.clear()
-    for i, t in enumerate(tactics):
-        if INTERRUPTED.is_set():  # Ctrl-C in an earlier search: the later tactics are not applied
-            warnings.warn(f"search interrupted (Ctrl-C): the plan is the best found so far; "
-                          f"{', '.join(type(x).__name__ for x in tactics[i:])} not applied", stacklevel=2)
-            break
-        before = list(state.shard)
-        context.blocked.clear()
-        try:
-            n0, t0 = len(search.log) if search is not None else 0, time.perf_counter()
-            state = t.apply(state, context)
-            if t.searched and search is not None:  # no config: Auto's default, a number of episodes
-                _warn_small_budget(search, search.log[n0:], time.perf_counter() - t0)
-        except IllegalActionError as e:
-            raise ScheduleError(f"{type(t).__name__} on {','.join(t.axes or ('*',))!r}: {e}") from e
-        if t.searched:
-            continue
-        name = f"{type(t).__name__} on {','.join(t.axes or ('*',))!r}"
-        blocked = context.blocked
-        if state.shard == before:
-            why = "; ".join(blocked[:4]) or "there is nothing for it to shard in this program"
-            warnings.warn(f"{name} changes nothing: {why}", stacklevel=2)
-        elif blocked:
-            warnings.warn(f"{name} left {len(blocked)} value(s) replicated: {'; '.join(blocked[:4])}", stacklevel=2)
-    if INTERRUPTED.is_set() and tactics and tactics[-1].searched:
-        warnings.warn("search interrupted (Ctrl-C): the plan is the best found so far", stacklevel=2)
-    INTERRUPTED.clear()  # consumed: a later search in this process runs in full
-    if fallback:
-        warn_fallbacks(state)
-    if not all(t.searched for t in tactics):  # a searched plan pays for its axis orders knowingly
-        warn_misplaced(state)
-    return state
