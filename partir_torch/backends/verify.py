@@ -240,7 +240,7 @@ def _unsharded_copy(model):
 
 def _retarget(optimizer, model, snapshot):
     """The user's optimizer (on `model`'s original parameters) rebuilt on the snapshot's, by name."""
-    from partir_torch.backends.xla import rebuild_optimizer
+    from partir_torch.backends.common import rebuild_optimizer
 
     rec = _record(model)
     names = dict(rec.names) if rec else {id(p): n for n, p in model.named_parameters()}

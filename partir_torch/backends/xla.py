@@ -70,6 +70,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from partir_torch.backends.common import initial_states, rebuild_optimizer
+from partir_torch.backends.common import slots as tensor_slots
 from partir_torch.capture.attribution import Constants, call_name, counted
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
@@ -780,16 +782,6 @@ def sharded(model: nn.Module) -> Sharded | None:
     return _SHARDED.get(model)
 
 
-def _slots(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
-    """Every (module, attribute) that holds a parameter or buffer, ties included."""
-    out = []
-    for mod in model.modules():
-        out += [(mod, n, p, True) for n, p in mod.named_parameters(recurse=False, remove_duplicate=False)]
-        out += [(mod, n, b, False) for n, b in mod.named_buffers(recurse=False, remove_duplicate=False)
-                if b is not None]
-    return out
-
-
 def shard_module(model: nn.Module, plan: ShardingPlan, mesh=None, *, lowerings: Lowerings | None = None,
                  loss_fn=None) -> Sharded:
     """Move `model` to the XLA device with the plan's shardings, constraints and batch hook (module docstring).
@@ -800,7 +792,7 @@ def shard_module(model: nn.Module, plan: ShardingPlan, mesh=None, *, lowerings: 
                        f"{_SHARDED[model].plan.mesh}); call partir_torch.unshard(model) first to shard it again")
     if mesh is None:
         mesh = device_mesh(Mesh.of(plan.mesh), plan.dcn_axes)
-    slots = _slots(model)
+    slots = tensor_slots(model)
     on_meta = sorted({id(t) for _, _, t, _ in slots if t.is_meta})
     if on_meta and len(on_meta) != len({id(t) for _, _, t, _ in slots}):
         meta_names = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
@@ -1092,38 +1084,6 @@ def unshard(model: nn.Module) -> nn.Module:
 
 
 # -- the optimizer ---------------------------------------------------------------------------------------------
-def _states(opt: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor, dev) -> dict[str, torch.Tensor]:
-    """The states torch.optim creates at the first step, created now (so they can be sharded first); the
-    same values torch would start from (SGD's buffer is the first gradient: zero momentum gives it too)."""
-    if isinstance(opt, torch.optim.SGD):
-        return {"momentum_buffer": torch.zeros_like(p)} if group.get("momentum", 0) else {}
-    st = {"step": torch.zeros((), dtype=torch.float32, device=dev), "exp_avg": torch.zeros_like(p),
-          "exp_avg_sq": torch.zeros_like(p)}
-    if group.get("amsgrad"):
-        st["max_exp_avg_sq"] = torch.zeros_like(p)
-    return st
-
-
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, torch.Tensor],
-                      **options: Any) -> torch.optim.Optimizer:
-    """A new optimizer of `optimizer`'s class, param groups and hyperparameters on `params` (by name; `names`
-    maps the old parameters' ids to names), with `options` set where the class has them."""
-    groups = []
-    for g in optimizer.param_groups:
-        unknown = [p for p in g["params"] if id(p) not in names]
-        if unknown:
-            raise XlaError(f"the optimizer holds {len(unknown)} tensors that are not parameters of the model "
-                           f"(shapes {[list(p.shape) for p in unknown[:3]]}); build it on model.parameters()")
-        ng = {k: (options.get(k, v) if k in options else v) for k, v in g.items() if k != "params"}
-        ng["params"] = [params[names[id(p)]] for p in g["params"]]
-        groups.append(ng)
-    import inspect
-
-    accepted = inspect.signature(type(optimizer).__init__).parameters  # (defaults may hold more keys)
-    defaults = {k: options.get(k, v) for k, v in optimizer.defaults.items() if k in accepted}
-    return type(optimizer)(groups, **defaults)
-
-
 def shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
     """`optimizer` (built on the caller's parameters of `model`) rebuilt on the sharded ones: same class, param
     groups and hyperparameters; its states (moved, or created as torch would) sharded as the plan says. The
@@ -1139,7 +1099,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> torch
         for old_p, p in zip(og["params"], ng["params"]):
             name = rec.names[id(old_p)]
             had = optimizer.state.get(old_p)
-            st = dict(had) if had else _states(new, ng, p, dev)
+            st = dict(had) if had else initial_states(new, ng, p, dev)
             for s, t in st.items():
                 spec = plan.optimizer_state.get(name, {}).get(s, plan.params.get(name))
                 if isinstance(t, torch.Tensor):

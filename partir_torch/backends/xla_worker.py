@@ -166,7 +166,8 @@ def _reference(model, optimizer, values: dict[str, Any]):
     """An unsharded copy of (model, optimizer) holding `values` (the sharded model's start, on the CPU)."""
     import torch.nn as nn
 
-    from partir_torch.backends.xla import _slots, rebuild_optimizer
+    from partir_torch.backends.common import rebuild_optimizer
+    from partir_torch.backends.common import slots as _slots
 
     names = {id(p): n for n, p in model.named_parameters()}
     ids = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}

@@ -100,10 +100,12 @@ def _adam(p, g, state, step, cache, *, lr, betas, eps, weight_decay, amsgrad, ma
             g = g.add(p, alpha=weight_decay)
     exp_avg = state["exp_avg"].lerp(g, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(g, g, value=1 - beta2)
-    key = (lr, beta1, beta2, eps)
-    if key not in cache:  # scalar bias-correction terms, as torch's capturable path computes them
-        bias_correction1 = 1 - torch.pow(beta1, step)
-        bias_correction2 = 1 - torch.pow(beta2, step)
+    key = (lr, beta1, beta2, eps, p.dtype)
+    if key not in cache:  # scalar bias-correction terms, as torch's capturable path computes them (in float64
+        # for a float64 parameter: torch's default path computes them in Python floats)
+        t = step.to(torch.float64) if p.dtype == torch.float64 else step
+        bias_correction1 = 1 - torch.pow(beta1, t)
+        bias_correction2 = 1 - torch.pow(beta2, t)
         step_size_neg = (lr / bias_correction1).neg()
         cache[key] = (bias_correction2.sqrt() * step_size_neg, eps / step_size_neg)
     scale, eps_term = cache[key]

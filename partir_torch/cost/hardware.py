@@ -84,6 +84,21 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
+# accelerator names (CUDA's device name, TPU versions) -> preset: the first key found in the name
+_BY_NAME = (("H200", "h200-sxm"), ("H100", "h100-sxm"), ("A100", "a100-80gb"), ("v6e", "tpu-v6e"), ("v5p", "tpu-v5p"),
+            ("v5e", "tpu-v5e"), ("v5 lite", "tpu-v5e"), ("v5litepod", "tpu-v5e"), ("v4", "tpu-v4"))
+
+
+def preset_for(device_name: str) -> str | None:
+    """The preset of an accelerator by its name (`NVIDIA H100 80GB HBM3`, `TPU v5p`), or None.
+
+    >>> preset_for("NVIDIA H100 80GB HBM3"), preset_for("Tesla T4")
+    ('h100-sxm', None)
+    """
+    low = device_name.lower()
+    return next((p for key, p in _BY_NAME if key.lower() in low), None)
+
+
 def check_mesh(hw: Hardware, axes: dict[str, int] | list[tuple[str, int]], dcn_axes=frozenset()) -> None:
     """The axes not marked as crossing slices / nodes form one fast domain (a TPU slice, an NVLink node): their
     devices must fit in one (`max_fast_devices`), or the link figures of the fast axes would not hold."""

@@ -1,0 +1,52 @@
+"""What both backends do to a user's model and optimizer alike: find every tensor slot, and rebuild the
+optimizer on the sharded parameters with the states torch.optim would create."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from partir_torch.errors import PartirError
+
+
+def slots(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
+    """Every (module, attribute) that holds a parameter or buffer, ties included."""
+    out = []
+    for mod in model.modules():
+        out += [(mod, n, p, True) for n, p in mod.named_parameters(recurse=False, remove_duplicate=False)]
+        out += [(mod, n, b, False) for n, b in mod.named_buffers(recurse=False, remove_duplicate=False)
+                if b is not None]
+    return out
+
+
+def initial_states(opt: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor, dev) -> dict[str, torch.Tensor]:
+    """The states torch.optim creates at the first step, created now (so they can be sharded first); the
+    same values torch would start from (SGD's buffer is the first gradient: zero momentum gives it too)."""
+    if isinstance(opt, torch.optim.SGD):
+        return {"momentum_buffer": torch.zeros_like(p)} if group.get("momentum", 0) else {}
+    st = {"step": torch.zeros((), dtype=torch.float32, device=dev), "exp_avg": torch.zeros_like(p),
+          "exp_avg_sq": torch.zeros_like(p)}
+    if group.get("amsgrad"):
+        st["max_exp_avg_sq"] = torch.zeros_like(p)
+    return st
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, torch.Tensor],
+                      **options: Any) -> torch.optim.Optimizer:
+    """A new optimizer of `optimizer`'s class, param groups and hyperparameters on `params` (by name; `names`
+    maps the old parameters' ids to names), with `options` set where the class has them."""
+    groups = []
+    for g in optimizer.param_groups:
+        unknown = [p for p in g["params"] if id(p) not in names]
+        if unknown:
+            raise PartirError(f"the optimizer holds {len(unknown)} tensors that are not parameters of the model "
+                           f"(shapes {[list(p.shape) for p in unknown[:3]]}); build it on model.parameters()")
+        ng = {k: (options.get(k, v) if k in options else v) for k, v in g.items() if k != "params"}
+        ng["params"] = [params[names[id(p)]] for p in g["params"]]
+        groups.append(ng)
+    accepted = inspect.signature(type(optimizer).__init__).parameters  # (defaults may hold more keys)
+    defaults = {k: options.get(k, v) for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(groups, **defaults)

@@ -1,0 +1,299 @@
+"""Apply a plan on torch.distributed: the model's parameters and the optimizer's states become DTensors with
+the plan's placements, and `step` runs the rank program of the whole training step on their local shards.
+
+What `apply` does to the user's model, undone by `unshard(model)`:
+1. every parameter (and buffer) is replaced by a DTensor on the rank's device with the plan's placements
+   (`placements`: a dim split over several axes against the mesh's order is DTensor's `_StridedShard`), its
+   values from rank 0 (so that ranks never start apart); `model.state_dict()`, DCP and
+   `get_model_state_dict(full_state_dict=True)` see DTensors as FSDP2 users expect;
+2. the optimizer is rebuilt (same class, groups, hyperparameters) on them, its states created as torch.optim
+   creates them and sharded as the plan says (`optimizer.state_dict()` holds DTensors);
+3. the rank program (`rank.RankProgram`) of the plan's state is traced to one FX graph, and compiled with
+   `torch.compile` when asked.
+`step(model, optimizer, *batch)` passes the local shards of parameters, buffers, states and of the global
+batch (or the rank's own part, `local=True`) to the graph and writes the updated values back in place; it
+returns the loss, a replicated scalar. The gradients are the graph's temporaries: `param.grad` stays None.
+The plain loop's `optimizer.step()` is refused with an error naming `partir_torch.step`: backward through
+the DTensor model would run DTensor's own partitioning, not the plan.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from partir_torch.backends.common import initial_states, rebuild_optimizer, slots
+from partir_torch.backends.distributed.rank import RankProgram, trace
+from partir_torch.backends.distributed.reshard import Exchange
+from partir_torch.backends.distributed.runtime import DistributedError, RankMesh
+from partir_torch.ir.mesh import Mesh
+from partir_torch.ir.program import Program
+from partir_torch.ir.sharding import Sharding
+from partir_torch.plan import ShardingPlan
+from partir_torch.propagate import ShardingState
+from partir_torch.simulate import region
+
+
+def placements(sh: Sharding, mesh: Mesh) -> list:
+    """DTensor placements (one per mesh axis, mesh order) of a value laid out as `sh`: `Shard(d)` for an axis
+    that splits dim d after every axis before it in the mesh's order; `_StridedShard(d, k)` where axes that
+    come later in the mesh split the dim before it (k: their product)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out = []
+    for axis in mesh.names:
+        d = sh.dim_of(axis)
+        if d is None:
+            out.append(Replicate())
+            continue
+        axes = sh.dims[d]
+        ahead = [a for a in axes[:axes.index(axis)] if mesh.names.index(a) > mesh.names.index(axis)]
+        k = 1
+        for a in ahead:
+            k *= mesh.size(a)
+        out.append(Shard(d) if k == 1 else _StridedShard(d, split_factor=k))
+    return out
+
+
+def local_part(t: torch.Tensor, sh: Sharding, rm: RankMesh) -> torch.Tensor:
+    """This rank's part of the whole tensor `t` laid out as `sh`."""
+    if t.dim() == 0:
+        return t
+    reg = tuple(r.to(t.device) if isinstance(r, torch.Tensor) else r for r in region(rm.mesh, sh, tuple(t.shape),
+                                                                                     rm.coord))
+    return t[reg]
+
+
+@dataclass
+class Sharded:
+    """What `apply` did to one model: the plan, its state, the rank program and how to undo it."""
+
+    plan: ShardingPlan
+    state: ShardingState
+    rank_mesh: RankMesh
+    program: RankProgram
+    graph: Any  # the traced GraphModule (or its compiled wrapper)
+    originals: list[tuple[nn.Module, str, torch.Tensor]]
+    names: dict[int, str]  # id of the caller's parameter -> name
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # param/buffer name -> its DTensor
+    optimizer: torch.optim.Optimizer | None = None
+    compiled: bool = False
+    steps: int = 0
+
+
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, Sharded] = weakref.WeakKeyDictionary()
+
+
+def sharded(model: nn.Module) -> Sharded | None:
+    return _SHARDED.get(model)
+
+
+def _require(model: nn.Module) -> Sharded:
+    rec = _SHARDED.get(model)
+    if rec is None:
+        raise DistributedError(f"{type(model).__name__} is not sharded by partir_torch on torch.distributed; call "
+                               "partir_torch.auto_shard(..., backend='torch') first")
+    return rec
+
+
+def _broadcast(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` with rank 0's values."""
+    import torch.distributed as dist
+
+    out = t.detach().to(device).contiguous().clone()
+    dist.broadcast(out, src=0)
+    return out
+
+
+def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan, state: ShardingState,
+          rank_mesh: RankMesh, *, compile: bool = False) -> torch.optim.Optimizer:
+    """Shard `model` and rebuild `optimizer` as `plan` (whose state is `state`) says, on this rank; on any
+    failure the model is as it was and the caller's optimizer untouched. Returns the new optimizer."""
+    from torch.distributed.tensor import DTensor
+
+    if model in _SHARDED:
+        raise DistributedError(f"{type(model).__name__} is already sharded by partir_torch; call "
+                               "partir_torch.unshard(model) first")
+    prog, rm, mesh = state.program, rank_mesh, rank_mesh.mesh
+    every = slots(model)
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise DistributedError(f"parameters or buffers on the meta device ({', '.join(meta[:5])}): the torch backend "
+                               "shards real tensors; build the model with weights (on the CPU), or use backend='xla'")
+    names = {id(p): n for n, p in model.named_parameters()}
+    bnames = {id(b): n for n, b in model.named_buffers()}
+    rec = Sharded(plan, state, rm, RankProgram(state, Exchange(mesh, rm.coord, rm.groups)), None,
+                  [(m, a, t) for m, a, t, _ in every], names)
+    try:
+        made: dict[int, torch.Tensor] = {}
+        for mod, attr, t, is_param in every:
+            new = made.get(id(t))
+            if new is None:
+                name = names.get(id(t)) or bnames.get(id(t))
+                vid = (prog.params if id(t) in names else prog.buffers).get(name)
+                sh = state.shard[vid] if vid is not None else Sharding.replicated(t.dim())
+                whole = _broadcast(t, rm.device)
+                local = local_part(whole, sh, rm).contiguous()
+                del whole
+                data = DTensor.from_local(local, rm.device_mesh, placements(sh, mesh), run_check=False,
+                                          shape=t.shape, stride=_contiguous_stride(t.shape))
+                new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
+                made[id(t)] = new
+                rec.tensors[name] = new
+            setattr(mod, attr, new)
+        opt = _shard_optimizer(optimizer, model, rec)
+        local = _inputs(rec, model, opt, None, probe=True)
+        gm = trace(rec.program, local)
+        rec.graph = _compiled(gm) if compile else gm
+        rec.compiled = compile
+    except BaseException:
+        for mod, attr, t in rec.originals:
+            setattr(mod, attr, t)
+        raise
+    _SHARDED[model] = rec
+    model.partir_plan = plan
+    return opt
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    out, n = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(n)
+        n *= s
+    return tuple(reversed(out))
+
+
+def _compiled(gm):
+    """The rank graph through `torch.compile` (inductor), its random ops drawing as eager does."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True  # the rank draws the unsharded step's numbers (`rank.py`)
+    return torch.compile(gm, backend="inductor", dynamic=False)
+
+
+class _PlannedStep:
+    """Mixed into the rebuilt optimizer: its own `step` would run the unplanned DTensor program."""
+
+    def step(self, closure=None):
+        raise DistributedError("on the torch backend a training step is one planned program: call "
+                               "`loss = partir_torch.step(model, optimizer, *batch)` instead of loss.backward(); "
+                               "optimizer.step()")
+
+
+def _shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rec: Sharded) -> torch.optim.Optimizer:
+    from torch.distributed.tensor import DTensor
+
+    state, rm, prog = rec.state, rec.rank_mesh, rec.state.program
+    params = dict(model.named_parameters())
+    cls = type(f"Planned{type(optimizer).__name__}", (_PlannedStep, type(optimizer)), {})
+    plain = rebuild_optimizer(optimizer, rec.names, params)
+    new = cls.__new__(cls)
+    new.__dict__.update(plain.__dict__)
+    for og, ng in zip(optimizer.param_groups, new.param_groups):
+        for old_p, p in zip(og["params"], ng["params"]):
+            name = rec.names[id(old_p)]
+            had = optimizer.state.get(old_p)
+            st = dict(had) if had else initial_states(new, ng, old_p, old_p.device)
+            ids = prog.opt_states.get(name, {})
+            for s, t in st.items():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                vid = ids.get(s)
+                sh = state.shard[vid] if vid is not None else Sharding.replicated(t.dim())
+                whole = _broadcast(t, rm.device)
+                st[s] = whole if t.dim() == 0 else DTensor.from_local(
+                    local_part(whole, sh, rm).contiguous(), rm.device_mesh, placements(sh, rm.mesh), run_check=False,
+                    shape=t.shape, stride=_contiguous_stride(t.shape))
+            new.state[p] = st
+    rec.optimizer = new
+    return new
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _inputs(rec: Sharded, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor] | None,
+            *, probe: bool = False, local: bool = False) -> list[torch.Tensor]:
+    """The rank graph's inputs, in `Program._placeholder_sources` order (with `probe`, the batch as empty
+    tensors of its local shapes: for tracing)."""
+    prog, state, rm = rec.state.program, rec.state, rec.rank_mesh
+    params = dict(model.named_parameters())
+    by_name = {n: optimizer.state[p] for n, p in params.items() if p in optimizer.state}
+    out = []
+    for (kind, key, sub), vid in zip(prog._placeholder_sources(), prog._placeholder_ids()):
+        if kind == "param":
+            out.append(_local(params[key]).detach())
+        elif kind == "buffer":
+            out.append(_local(rec.tensors[key]))
+        elif kind == "state":
+            out.append(_local(by_name[key][sub]))
+        elif probe:
+            val = prog.values[vid]
+            out.append(torch.zeros(state.shard[vid].local_shape(val.shape, rm.mesh), dtype=val.dtype,
+                                   device=rm.device))
+        else:
+            x = batch[key].to(rm.device)
+            out.append(x if local else local_part(x, state.shard[vid], rm))
+    return out
+
+
+def check_batch(program: Program, state: ShardingState, rm: RankMesh, batch: Sequence[torch.Tensor], local: bool
+                ) -> None:
+    if len(batch) != len(program.inputs):
+        raise DistributedError(f"the step takes {len(program.inputs)} batch tensors (the example inputs' count, "
+                               f"targets included), got {len(batch)}")
+    for i, (x, vid) in enumerate(zip(batch, program.inputs)):
+        val = program.values[vid]
+        want = state.shard[vid].local_shape(val.shape, rm.mesh) if local else val.shape
+        if tuple(x.shape) != tuple(want):
+            what = "this rank's part" if local else "the global batch (every rank passes all of it)"
+            raise DistributedError(f"batch tensor {i} has shape {list(x.shape)}; the plan was made for {list(want)} "
+                                   f"as {what}")
+
+
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tensor, local: bool = False
+         ) -> torch.Tensor:
+    """One training step of the sharded model (module docstring); returns the loss."""
+    rec = _require(model)
+    if optimizer is not rec.optimizer:
+        raise DistributedError("this optimizer is not the one auto_shard returned for this model; pass that one")
+    prog = rec.state.program
+    check_batch(prog, rec.state, rec.rank_mesh, batch, local)
+    flat = _inputs(rec, model, optimizer, batch, local=local)
+    with torch.no_grad():
+        outs = rec.graph(*flat)
+        loss = outs[0] if prog.loss is not None else None
+        where = dict(zip(prog._placeholder_ids(), flat))
+        for (_new, old), t in zip(prog.updates.items(), outs[1 if loss is not None else 0:]):
+            where[old].copy_(t)
+        shared = [where[v] for v in prog.shared_states.values()]
+        if shared:  # torch.optim keeps a step counter per parameter: all hold the program's one
+            for st in optimizer.state.values():
+                if "step" in st and st["step"] is not shared[0]:
+                    st["step"].copy_(shared[0])
+    rec.steps += 1
+    return loss.detach() if loss is not None else None
+
+
+def unshard(model: nn.Module) -> nn.Module:
+    """Undo `apply`: the caller's own parameter and buffer objects back, holding the trained (whole) values."""
+    rec = _require(model)
+    done: set[int] = set()
+    current = {(id(m), a): getattr(m, a) for m, a, _ in rec.originals}
+    for mod, attr, orig in rec.originals:
+        if id(orig) not in done:
+            with torch.no_grad():
+                now = current[(id(mod), attr)]
+                orig.copy_((now.full_tensor() if hasattr(now, "full_tensor") else now).to(orig.device))
+            done.add(id(orig))
+        setattr(mod, attr, orig)
+    del _SHARDED[model]
+    model.__dict__.pop("partir_plan", None)
+    return model
