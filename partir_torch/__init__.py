@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _FACADE = {
     "auto_shard": "partir_torch.api", "input_sharding": "partir_torch.api", "shard_batch": "partir_torch.api",
     "start_runtime": "partir_torch.api", "unshard": "partir_torch.api", "verify": "partir_torch.api",
+    "step": "partir_torch.api",
     "capture": "partir_torch.capture",
     "CaptureError": "partir_torch.errors", "InputShapeError": "partir_torch.errors",
     "PartirError": "partir_torch.errors", "UnsupportedOptimizerError": "partir_torch.errors",
@@ -29,10 +30,10 @@ _FACADE = {
 }
 __all__ = ["CaptureError", "Group", "InputShapeError", "Op", "PartirError", "Phase", "Program", "Role", "ShardingPlan",
            "UnsupportedOptimizerError", "Value", "auto_shard", "capture", "input_sharding", "search", "shard_batch",
-           "start_runtime", "unshard", "verify"]
+           "start_runtime", "step", "unshard", "verify"]
 
 if TYPE_CHECKING:
-    from partir_torch.api import auto_shard, input_sharding, shard_batch, start_runtime, unshard, verify
+    from partir_torch.api import auto_shard, input_sharding, shard_batch, start_runtime, step, unshard, verify
     from partir_torch.capture import capture
     from partir_torch.errors import CaptureError, InputShapeError, PartirError, UnsupportedOptimizerError
     from partir_torch.ir import Group, Op, Phase, Program, Role, Value
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "launch":  # `partir_torch.launch.spawn(...)` without importing the submodule first
+        return importlib.import_module("partir_torch.launch")
     module = _FACADE.get(name)
     if module is None:
         raise AttributeError(f"module 'partir_torch' has no attribute {name!r}")

@@ -1,15 +1,15 @@
-"""The user's front door: `auto_shard` (plan, then apply), `unshard`, `shard_batch`.
+"""The user's front door: `auto_shard` (plan, then apply), `step`, `unshard`, `shard_batch`, `verify`.
 
     model, opt = partir_torch.auto_shard(model, (tokens, targets), {"batch": 2, "model": 4},
                                          loss_fn=lm_loss, optimizer=torch.optim.AdamW(model.parameters()))
     for tokens, targets in loader:
-        loss = lm_loss(model, *partir_torch.shard_batch(model, tokens, targets))
-        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True); torch_xla.sync()
+        loss = partir_torch.step(model, opt, tokens, targets)   # every rank passes the global batch
 
 constraints -> optimize -> apply: the plan comes from `search()` (or a saved plan / a `ShardingPlan`), is
-checked against the model and mesh, and is applied by a backend (`backends/xla.py`: what it does to the
-model is listed there, and `unshard` undoes it). Until the last step succeeds nothing of the caller's
-model or optimizer is changed.
+checked against the model and mesh, and is applied by a backend: `torch` (`backends/distributed`: the plan
+run as an explicit per-rank program on torch.distributed, CUDA/NCCL or CPU/gloo, one process a device) or
+`xla` (`backends/xla.py`: torch_xla SPMD in one process). Until the last step succeeds nothing of the
+caller's model or optimizer is changed.
 """
 
 from __future__ import annotations
@@ -52,29 +52,56 @@ def plan_for(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Te
     return plan, m
 
 
+BACKENDS = ("torch", "xla")
+
+
+def choose_backend(backend: str | None) -> str:
+    """`backend` checked, or the default: `torch` when a torch.distributed process group is (or torchrun's
+    environment says it will be) started, CUDA is present or torch_xla is absent; else `xla`."""
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise PartirError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}: 'torch' "
+                              "runs the plan on torch.distributed (GPUs, CPUs, TorchTPU), 'xla' on torch_xla SPMD")
+        return backend
+    import importlib.util
+
+    import torch.distributed as dist
+
+    if (dist.is_available() and dist.is_initialized()) or "TORCHELASTIC_RUN_ID" in os.environ \
+            or torch.cuda.is_available() or importlib.util.find_spec("torch_xla") is None:
+        return "torch"
+    return "xla"
+
+
 def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
                loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer, schedule=None,
                hardware: str | None = None, memory: float | str | None = None, budget: str | int | None = None,
                seed: int = 0, plan: ShardingPlan | str | os.PathLike | None = None,
                progress: bool = False, fallback: bool = False, cache: bool = True,
-               assume_compiling: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+               assume_compiling: bool = False, backend: str | None = None,
+               compile: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Shard `model`'s training step over `mesh` and return `(model, optimizer)` to train with.
 
     `mesh`: `{"batch": 2, "model": 4}`, `"batch=2:dcn,model=4"` or a `Mesh`. `loss_fn(model, *inputs)` is the
     scalar loss of one step on `example_inputs` (targets are inputs too). `optimizer`: the user's
     torch.optim optimizer on `model.parameters()`; a new one of the same class, groups and hyperparameters
-    is returned on the sharded parameters, its states sharded as the plan says. `schedule`, `hardware`,
-    `memory` (bytes or "16GiB"), `budget` ("30s" or episodes), `seed` and `fallback` (ops without a rule run
-    replicated, one warning each), `cache` (False: search even when the plan cache holds the plan) and
-    `assume_compiling` (the library's compiled path at capture) are `search()`'s; `plan` skips
-    the search (a `ShardingPlan` or the path of a saved one). The returned model is the same object, moved
-    to the XLA device, with the plan as `model.partir_plan`; `partir_torch.unshard(model)` undoes it.
-    """
-    from partir_torch.backends import xla
+    is returned on the sharded parameters, its states sharded as the plan says. `schedule`, `hardware`
+    (None: the preset of the accelerator found), `memory` (bytes or "16GiB"), `budget` ("30s" or episodes),
+    `seed` and `fallback` (ops without a rule run replicated, one warning each), `cache` (False: search even
+    when the plan cache holds the plan) and `assume_compiling` (the library's compiled path at capture) are
+    `search()`'s; `plan` skips the search (a `ShardingPlan` or the path of a saved one).
 
+    `backend` (`choose_backend`): "torch" runs in every rank of a torch.distributed job (torchrun, or
+    `partir_torch.launch.spawn`): rank 0 plans, every rank checks it holds the same plan, parameters and
+    optimizer states become DTensors, and `partir_torch.step(model, optimizer, *batch)` runs a step
+    (`compile=True`: through torch.compile). "xla" applies the plan with torch_xla SPMD in this process
+    (the model is moved to the XLA device; the plain loop or `step` trains it). `partir_torch.unshard(model)`
+    undoes either; the plan is `model.partir_plan`.
+    """
     if not isinstance(model, nn.Module):
         raise PartirError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if xla.sharded(model) is not None:
+    backend = choose_backend(backend)
+    if _backend_of(model) is not None:
         raise PartirError(f"{type(model).__name__} is already sharded by partir_torch; call "
                           "partir_torch.unshard(model) first to plan and shard it again")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -83,16 +110,71 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     from partir_torch.capture.optim import optimizer_spec
 
     optimizer_spec(optimizer, dict(model.named_parameters()))  # an unsupported optimizer fails before the search
+    if backend == "torch":
+        from partir_torch.backends.distributed import shard
+
+        if not isinstance(plan, (ShardingPlan, type(None))):
+            plan = str(plan)
+        model, opt = shard.auto_shard(model, example_inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, plan=plan,
+                                      compile=compile, fallback=fallback, hardware=hardware, schedule=schedule,
+                                      memory=parse_bytes(memory), budget=budget, seed=seed, progress=progress,
+                                      cache=cache, assume_compiling=assume_compiling)
+        log.info("partir_torch: sharded %s over %s on torch.distributed\n%s", type(model).__name__, mesh,
+                 model.partir_plan.table())
+        return model, opt
+    if compile:
+        raise PartirError("compile=True is the torch backend's (torch.compile of the rank program); torch_xla "
+                          "compiles the step itself: drop compile, or use backend='torch'")
+    from partir_torch.backends import xla
+
     m, _ = parse_mesh(mesh)
     note = xla.start_runtime(m.devices)  # before the capture's backward: see `xla._probe_autograd`
     if note:
         print(note, file=sys.stderr)
+    if hardware is None:
+        hardware = xla.hardware_preset()
     the_plan, m = plan_for(model, example_inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
                            hardware=hardware, memory=memory, budget=budget, seed=seed, plan=plan, progress=progress,
                            fallback=fallback, cache=cache, assume_compiling=assume_compiling)
     opt = xla.apply(model, optimizer, the_plan, xla.device_mesh(m, the_plan.dcn_axes), loss_fn=loss_fn)
     log.info("partir_torch: sharded %s over %s\n%s", type(model).__name__, m, the_plan.table())
     return model, opt
+
+
+def _backend_of(model: nn.Module) -> str | None:
+    """Which backend sharded `model` (None: not sharded)."""
+    from partir_torch.backends.distributed import engine
+
+    if engine.sharded(model) is not None:
+        return "torch"
+    import importlib.util
+
+    if importlib.util.find_spec("torch_xla") is not None:
+        from partir_torch.backends import xla
+
+        if xla.sharded(model) is not None:
+            return "xla"
+    return None
+
+
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tensor, local: bool = False
+         ) -> torch.Tensor:
+    """One training step of a model `auto_shard` sharded, on the global batch (every rank passes all of it;
+    `local=True`: each rank passes its own part as the plan splits it, torch backend only); returns the loss,
+    a scalar tensor. On the torch backend the step is the plan's rank program; on XLA, the plain loop."""
+    which = _backend_of(model)
+    if which is None:
+        raise PartirError(f"{type(model).__name__} is not sharded: call partir_torch.auto_shard first")
+    if which == "torch":
+        from partir_torch.backends.distributed import engine
+
+        return engine.step(model, optimizer, *batch, local=local)
+    from partir_torch.backends import xla
+
+    if local:
+        raise PartirError("local=True is the torch backend's; on XLA pass the global batch")
+    rec = xla.sharded(model)
+    return xla.train_step(model, optimizer, rec.loss_fn, batch)
 
 
 def start_runtime(mesh) -> None:
@@ -109,6 +191,10 @@ def start_runtime(mesh) -> None:
 def unshard(model: nn.Module) -> nn.Module:
     """Undo `auto_shard`: the model's own parameter and buffer objects back, holding the trained values, its
     hooks removed, `partir_plan` gone. The optimizer `auto_shard` returned is not usable after this."""
+    if _backend_of(model) == "torch":
+        from partir_torch.backends.distributed import engine
+
+        return engine.unshard(model)
     from partir_torch.backends import xla
 
     return xla.unshard(model)
@@ -124,8 +210,14 @@ def shard_batch(model: nn.Module, *batch: torch.Tensor) -> tuple[torch.Tensor, .
 
 
 def verify(model: nn.Module, example_inputs, *, plan: ShardingPlan | None = None, **kwargs: Any):
-    """Compile the step as `auto_shard` applies `plan` (default: `model.partir_plan`) and compare XLA's
-    collectives and memory with the prediction (`backends.verify.verify`; `kwargs` go there)."""
+    """Hold what the engine runs against the plan's prediction: collectives by kind and mesh axis, per-device
+    memory, and (`steps`, `numerics`) the losses against the unsharded step. On the torch backend the rank
+    program's own collectives and memory (`backends.distributed.verify`); on XLA its compiled HLO
+    (`backends.verify.verify`; `kwargs` go there; `plan` default: `model.partir_plan`)."""
+    if _backend_of(model) == "torch":
+        from partir_torch.backends.distributed.verify import verify as verify_rank
+
+        return verify_rank(model, example_inputs, **kwargs)
     from partir_torch.backends.verify import verify as verify_plan
 
     plan = plan if plan is not None else getattr(model, "partir_plan", None)

@@ -35,9 +35,10 @@ def initial_states(opt: torch.optim.Optimizer, group: dict[str, Any], p: torch.T
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, torch.Tensor],
-                      **options: Any) -> torch.optim.Optimizer:
+                      cls: type | None = None, **options: Any) -> torch.optim.Optimizer:
     """A new optimizer of `optimizer`'s class, param groups and hyperparameters on `params` (by name; `names`
-    maps the old parameters' ids to names), with `options` set where the class has them."""
+    maps the old parameters' ids to names), with `options` set where the class has them; of class `cls` (a
+    subclass) when given."""
     groups = []
     for g in optimizer.param_groups:
         unknown = [p for p in g["params"] if id(p) not in names]
@@ -49,4 +50,4 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], p
         groups.append(ng)
     accepted = inspect.signature(type(optimizer).__init__).parameters  # (defaults may hold more keys)
     defaults = {k: options.get(k, v) for k, v in optimizer.defaults.items() if k in accepted}
-    return type(optimizer)(groups, **defaults)
+    return (cls or type(optimizer))(groups, **defaults)

@@ -101,6 +101,27 @@ def _has_tpu() -> bool:
     return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
+def hardware_preset() -> str:
+    """The preset of the TPU this process runs on (its accelerator type: `v5p-8`, `v5litepod-16`, `v6e-8`);
+    `cpu-virtual`, said in one line, when there is none (or none a preset knows)."""
+    from partir_torch.cost.hardware import preset_for
+
+    kind = os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("ACCELERATOR_TYPE") or ""
+    if _has_tpu() and not kind:
+        try:
+            from torch_xla._internal import tpu
+
+            kind = f"v{tpu.version()}"
+        except Exception:  # an unknown torch_xla layout: fall through to the note
+            kind = ""
+    preset = preset_for(kind) if kind else None
+    if preset is None:
+        what = f"TPU {kind!r} has no preset" if kind else "no TPU found"
+        print(f"partir_torch: {what}; planning for cpu-virtual (give hardware=)", file=sys.stderr)
+        return "cpu-virtual"
+    return preset
+
+
 # XLA CPU schedules a step for concurrency by default, "trading off extra memory pressure" (its flag's own
 # words): all its copies of donated parameters and states, say, made at the start of the step. The cost model
 # assumes a memory-aware scheduler, as accelerators' compilers have; XLA CPU's is this one.

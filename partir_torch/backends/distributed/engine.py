@@ -148,6 +148,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
                 rec.tensors[name] = new
             setattr(mod, attr, new)
         opt = _shard_optimizer(optimizer, model, rec)
+        _same_generator(rm)
         local = _inputs(rec, model, opt, None, probe=True)
         gm = trace(rec.program, local)
         rec.graph = _compiled(gm) if compile else gm
@@ -159,6 +160,18 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
     _SHARDED[model] = rec
     model.partir_plan = plan
     return opt
+
+
+def _same_generator(rm: RankMesh) -> None:
+    """Every rank's default generator (CPU, and the device's) set to rank 0's: the rank program draws a random
+    tensor whole on every rank and keeps its part (`rank.py`), so ranks must draw alike."""
+    import torch.distributed as dist
+
+    box = [(torch.get_rng_state(), torch.cuda.get_rng_state(rm.device) if rm.device.type == "cuda" else None)]
+    dist.broadcast_object_list(box, src=0)
+    torch.set_rng_state(box[0][0])
+    if box[0][1] is not None:
+        torch.cuda.set_rng_state(box[0][1], rm.device)
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
@@ -192,9 +205,7 @@ def _shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rec: Sh
     state, rm, prog = rec.state, rec.rank_mesh, rec.state.program
     params = dict(model.named_parameters())
     cls = type(f"Planned{type(optimizer).__name__}", (_PlannedStep, type(optimizer)), {})
-    plain = rebuild_optimizer(optimizer, rec.names, params)
-    new = cls.__new__(cls)
-    new.__dict__.update(plain.__dict__)
+    new = rebuild_optimizer(optimizer, rec.names, params, cls=cls)
     for og, ng in zip(optimizer.param_groups, new.param_groups):
         for old_p, p in zip(og["params"], ng["params"]):
             name = rec.names[id(old_p)]
@@ -272,7 +283,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
         loss = outs[0] if prog.loss is not None else None
         where = dict(zip(prog._placeholder_ids(), flat))
         for (_new, old), t in zip(prog.updates.items(), outs[1 if loss is not None else 0:]):
-            where[old].copy_(t)
+            if t is not where[old] and t.data_ptr() != where[old].data_ptr():  # (donated: written in place)
+                where[old].copy_(t)
         shared = [where[v] for v in prog.shared_states.values()]
         if shared:  # torch.optim keeps a step counter per parameter: all hold the program's one
             for st in optimizer.state.values():

@@ -115,5 +115,5 @@ def compare(rec: Sharded, run: RankRun, hardware: str | None = None) -> dict[str
             rows.append({"kind": kind, "axes": [axis], "predicted": p, "measured": m})
     unexpected = [{"kind": r["kind"], "axes": r["axes"], "count": 0, "bytes": r["measured"]}
                   for r in rows if r["measured"] and not r["predicted"]]
-    return {"by_axis": rows, "unexpected": unexpected, "predicted_peak": int(report.peak_memory_bytes), "memory_by_role": report.memory_by_role,
-            "measured_peak": run.peak_memory_bytes}
+    return {"by_axis": rows, "unexpected": unexpected, "predicted_peak": int(report.peak_memory_bytes),
+            "memory_by_role": report.memory_by_role, "measured_peak": run.peak_memory_bytes}

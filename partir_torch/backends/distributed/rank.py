@@ -139,6 +139,7 @@ class RankProgram:
             env[vid] = self.exchange._local(const, Layout.of(Sharding.replicated(const.dim())),
                                             Layout.of(state.shard[vid]), tuple(const.shape))
         cache: dict = {}
+        donate = self._donations()
         for op in prog.ops:
             rule = state.rules[op.id]
             results = [o for o in op.outputs if o >= 0]
@@ -160,6 +161,10 @@ class RankProgram:
                 if k > 1:
                     t = t / k
                 env[v] = self.reshard(env, cache, v, state.op_output(op.id, r), state.shard[v], t)
+                if v in donate:  # the update written over its input's buffer (donation): freed at once
+                    old = prog.updates[v]
+                    env[old].copy_(env[v])
+                    env[v] = env[old]
         res = []
         if prog.loss is not None:
             res.append(self.reshard(env, cache, prog.loss, state.shard[prog.loss], Sharding.replicated(0)))
@@ -168,6 +173,17 @@ class RankProgram:
         if self.grads:
             res += [env[g] for g in prog.grads.values()]
         return res
+
+    def _donations(self) -> set[int]:
+        """The updated values written over their input's buffer as soon as they are made (as the cost model
+        counts them, `cost/tables.py`): those kept in their input's sharding whose input no later op reads."""
+        prog, shard = self.program, self.state.shard
+        out = set()
+        for new, old in prog.updates.items():
+            made = prog.values[new].producer
+            if shard[new] == shard[old] and made >= 0 and all(o <= made for o in prog.users[old]):
+                out.add(new)
+        return out
 
     def _draw(self, op, env: dict[int, torch.Tensor], cache: dict) -> list[torch.Tensor]:
         """A random op's results on this rank (in `op_output`'s layouts): the whole tensor drawn as the
