@@ -5,8 +5,10 @@ rank program runs the same walk on its local tensors (`backends/distributed/resh
 what runs. A step moves one mesh axis, and its data stays inside that axis's group of devices:
 
     pending sums first, while the data is largest: reduce-scatters (mesh order, the axes of one dim in
-        the destination's order), then all-reduces, minor axis first (hierarchical: each moves 1/n of the
-        bytes of the one before, so k axes cost one ring over their product);
+        the destination's order), then the sum over the other axes: one all-reduce, or over several axes
+        hierarchically (the flattened sum reduce-scattered over each axis but the last, minor first, the part
+        all-reduced over the last, gathered back: each axis moves 1/n of the bytes of the one before, so k
+        axes cost one ring over their product);
     axes held in another place of their dim's order than the destination's (`misplaced`) gathered;
     then axis by axis (mesh order, the axes gathered off one dim minor first): gathered, moved to another
         dim (all-to-all), or sliced; an axis lands minor-most on its dim, so the axes of a dim land in the
@@ -28,6 +30,7 @@ devices hold summands.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,13 +128,15 @@ class Layout:
 @dataclass(frozen=True)
 class Step:
     """One move of the walk: `kind` is a collective over `axis` (bytes per device as `lower` counts them), or a
-    local one (`slice`: keep a part; `zero`: a device off the axis's first coordinate drops its summand)."""
+    local one (`slice`: keep a part; `zero`: a device off the axis's first coordinate drops its summand).
+    `flat`: a step of a hierarchical all-reduce, on the flattened tensor (its layouts are the sum's)."""
 
     kind: str
     axis: str
     src: Layout
     dst: Layout
     nbytes: int = 0
+    flat: bool = False
 
     @property
     def collective(self) -> bool:
@@ -159,11 +164,26 @@ def walk(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, me
         for axis in _dim_order([a for a in reduced if dst.dim_of(a) is not None], dst):
             d = dst.dim_of(axis)  # reduce-scatter: the sum lands tiled
             step("reduce-scatter", axis, cur.moved(axis, d, False, chunks=_k(cur, end, d)), nbytes(cur))
-        share = 1
-        for axis in reversed(reduced):
-            if dst.dim_of(axis) is None:
-                step("all-reduce", axis, cur.moved(axis, None, False), nbytes(cur) // share)
-                share *= mesh.size(axis)
+        summed = [a for a in reversed(reduced) if dst.dim_of(a) is None]
+        outer = math.prod(mesh.size(a) for a in summed[:-1])
+        if len(summed) > 1 and (nbytes(cur) // itemsize) % outer == 0:
+            # hierarchical: reduce-scatter the flattened sum over each axis but the last (minor first), all-reduce
+            # the part over the last, gather back: each axis's ring moves 1/n of the bytes of the one before
+            # (one ring over the axes' product; a slow axis listed first moves the least)
+            size, done = nbytes(cur), cur.moved(summed[0], None, False)
+            for a in summed[1:]:
+                done = done.moved(a, None, False)
+            for a in summed[:-1]:
+                out.append(Step("reduce-scatter", a, cur, cur, size, flat=True))
+                size //= mesh.size(a)
+            out.append(Step("all-reduce", summed[-1], cur, cur, size, flat=True))
+            for a in reversed(summed[:-1]):
+                size *= mesh.size(a)
+                out.append(Step("all-gather", a, cur, done if a == summed[0] else cur, size, flat=True))
+            cur = done
+        else:
+            for axis in summed:
+                step("all-reduce", axis, cur.moved(axis, None, False), nbytes(cur))
     moved = misplaced(_sharding(cur), dst)
     for axis in mesh.names:  # gathered first, then sliced again in their place
         if axis in moved:

@@ -82,8 +82,12 @@ def fused(src: Sharding, dst: Sharding, steps, reduction: bool = False) -> dict[
     out: dict[str, int] = {}
     groups: dict[object, tuple[str, int]] = {}
     for kind, axis, nbytes in steps:
-        if kind in ("reduce-scatter", "all-reduce"):
-            key: object = "all-reduce" if reduction else kind
+        if axis in src.partial and dst.dim_of(axis) is None and kind != "all-to-all":
+            if kind == "all-gather":  # a hierarchical all-reduce's gather back (`layout.walk`): one all-reduce
+                continue
+            key: object = "all-reduce"  # (its flat reduce-scatters too)
+        elif kind in ("reduce-scatter", "all-reduce"):
+            key = "all-reduce" if reduction else kind
         elif kind == "all-gather":
             key = ("gather", src.dim_of(axis))
         else:

@@ -113,9 +113,19 @@ class ShardingState:
         parameters read gathered): two states with the same digest lower to the same program."""
         import hashlib
 
+        def canon(x):  # the same text in every process (a frozenset's order follows its strings' hashes)
+            if isinstance(x, Sharding):
+                return (x.dims, sorted(x.partial), x.chunks)
+            if isinstance(x, frozenset | set):
+                return sorted(x)
+            if isinstance(x, dict):
+                return sorted((k, canon(v)) for k, v in x.items())
+            return x
+
         h = hashlib.sha256()
-        for part in (self.shard, self.assign, self.passthrough, self.locked, sorted(self.gathered.items())):
-            h.update(repr([sorted(x.items()) if isinstance(x, dict) else x for x in part]).encode())
+        for part in (self.shard, self.assign, self.passthrough, self.locked):
+            h.update(repr([canon(x) for x in part]).encode())
+        h.update(repr(canon(self.gathered)).encode())
         return h.hexdigest()[:16]
 
     def seal(self) -> Changes:

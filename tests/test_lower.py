@@ -21,13 +21,20 @@ def _time(steps, mesh=MESH, bw=1e9):
 
 
 def test_a_sum_over_several_axes_costs_one_ring_over_their_product():
-    """Reduced hierarchically (minor axis first, each next one on 1/n of the bytes): k axes cost one all-reduce
-    over n1·n2·…, not k all-reduces of the whole value."""
+    """Reduced hierarchically (the flattened sum reduce-scattered minor axis first, the part all-reduced over the
+    last, gathered back: each next axis on 1/n of the bytes): k axes cost one all-reduce over n1·n2·…, not k
+    all-reduces of the whole value. XLA's form (`fused`) is that one all-reduce."""
+    from partir_torch.lower import fused
+
     src = Sharding(((), ()), frozenset({"data", "fsdp", "model"}))
     steps = transitions(src, Sharding.replicated(2), SHAPE, ITEM, MESH)
-    assert steps == [("all-reduce", "model", FULL), ("all-reduce", "fsdp", FULL // 2),
-                     ("all-reduce", "data", FULL // 8)]
+    assert steps == [("reduce-scatter", "model", FULL), ("reduce-scatter", "fsdp", FULL // 2),
+                     ("all-reduce", "data", FULL // 8), ("all-gather", "fsdp", FULL // 2),
+                     ("all-gather", "model", FULL)]
     assert _time(steps) == pytest.approx(2 * (16 - 1) / 16 * FULL / 1e9)
+    assert fused(src, Sharding.replicated(2), steps) == {"all-reduce": FULL}
+    odd = transitions(src, Sharding.replicated(1), (3,), ITEM, MESH)  # 3 elements: no flat split, one ring each
+    assert odd == [("all-reduce", "model", 12), ("all-reduce", "fsdp", 12), ("all-reduce", "data", 12)]
 
 
 def test_reduce_scatter_before_all_reduce():
@@ -44,7 +51,8 @@ def test_the_slow_axis_listed_first_moves_the_least():
     slow `batch` ring a quarter of it."""
     mesh = Mesh.parse("batch=2,model=4")
     steps = transitions(Sharding(((),), frozenset({"batch", "model"})), Sharding.replicated(1), (1 << 20,), 4, mesh)
-    assert steps == [("all-reduce", "model", 4 << 20), ("all-reduce", "batch", 1 << 20)]
+    assert steps == [("reduce-scatter", "model", 4 << 20), ("all-reduce", "batch", 1 << 20),
+                     ("all-gather", "model", 4 << 20)]
 
 
 
@@ -115,7 +123,7 @@ def test_gathers_off_one_dim_go_minor_axis_first_and_fuse_as_one():
     assert fused(two_dims, Sharding.replicated(2), steps) == {"all-gather": sum(b for _, _, b in steps)}
     summed = Sharding(((), ()), frozenset({"batch", "model"}))
     steps = transitions(summed, Sharding.replicated(2), (64, 32), 4, mesh)
-    assert len(steps) == 2 and fused(summed, Sharding.replicated(2), steps) == {"all-reduce": FULL}
+    assert len(steps) == 3 and fused(summed, Sharding.replicated(2), steps) == {"all-reduce": FULL}
     batch_rows = Sharding((("batch",), ()))  # a sum reduced to a tiling over one of its axes: two collectives
     steps = transitions(summed, batch_rows, (64, 32), 4, mesh)
     assert {k for k, _, _ in steps} == {"reduce-scatter", "all-reduce"}

@@ -309,10 +309,16 @@ class ShardingPlan:
         except PartirError as e:
             raise PlanMismatchError(f"the plan's decisions do not apply to this program (was it made for another "
                                     f"model, config or partir_torch version?): {e}") from e
-        if self.state_hash is not None and state.digest() != self.state_hash:
-            got, mine = specs(state), self.specs
-            diff = [f"parameter {n}: the plan says {mine.params[n]}, its decisions give {got.params.get(n)}"
-                    for n in mine.params if got.params.get(n) != mine.params[n]]
+        same_program = self.program_hash is None or program.content_hash() == self.program_hash
+        got, mine = specs(state), self.specs
+        diff = [f"parameter {n}: the plan says {mine.params[n]}, its decisions give {got.params.get(n)}"
+                for n in mine.params if got.params.get(n) != mine.params[n]]
+        diff += [f"input {i}: the plan says {b}, its decisions give {a}"
+                 for i, (a, b) in enumerate(zip(got.inputs, mine.inputs)) if a != b]
+        # on the program it was searched on, the whole state is checked; on the same model's step captured
+        # unfolded (a backend runs every layer), the specs of every parameter, input and optimizer state
+        if (same_program and self.state_hash is not None and state.digest() != self.state_hash) or diff or (
+                got.optimizer_state != mine.optimizer_state):
             raise PlanMismatchError("replaying the plan's decisions does not rebuild the state it was costed on (was "
                                     "it made for another model, config or partir_torch version?)"
                                     + "".join(f"\n  - {x}" for x in diff[:20]))

@@ -86,8 +86,10 @@ def train_case(rank, world, name, mesh, schedule, compile=False, fp64=True, memo
 
 
 def _axes_used(rec) -> list[str]:
-    return sorted({a for spec in rec.plan.params.values() for e in spec if e for a in ([e] if isinstance(e, str)
-                                                                                      else e)})
+    """The mesh axes the plan splits anything over (parameters, inputs, optimizer states)."""
+    plan = rec.plan
+    specs = [*plan.params.values(), *plan.inputs, *(s for st in plan.optimizer_state.values() for s in st.values())]
+    return sorted({a for spec in specs for e in spec if e for a in ([e] if isinstance(e, str) else e)})
 
 
 def check(results, *, memory_tolerance=0.15):
@@ -107,3 +109,18 @@ EXPERTS = {"4": "batch:BatchParallel;model:Megatron;batch:ZeRO(1)", "2": "batch:
 def test_zoo_expert_plans_run_as_predicted_and_train_as_unsharded(four, two, name):
     check(four.run(train_case, name, "batch=2,model=2", EXPERTS["4"]))
     check(two.run(train_case, name, "batch=2", EXPERTS["2"]))
+
+
+@pytest.mark.thirdparty
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-t5", "tv-resnet18"])
+def test_users_models_under_expert_plans(four, name):
+    check(four.run(train_case, name, "batch=2,model=2", EXPERTS["4"]))
+
+
+@pytest.mark.parametrize(("name", "fraction"), [("tiny-gpt2", 0.4), ("tiny-moe", 0.6), ("tiny-gns", 0.6)])
+def test_searched_plans_under_a_memory_limit_run_as_predicted_and_train_as_unsharded(four, name, fraction):
+    """Searched on rank 0 under a fraction of the replicated plan's memory (so more than the batch is split),
+    agreed by every rank, then held to the same bars as the expert plans."""
+    results = four.run(train_case, name, "batch=2,model=2", None, False, True, fraction)
+    check(results)
+    assert results[0]["sharded"] and "model" in results[0]["axes"], results[0]

@@ -167,9 +167,24 @@ def _assemble(flat: torch.Tensor, parts: list[list[np.ndarray]], want: list[np.n
 
 def run_walk(exchange: Exchange, x: torch.Tensor, steps: list[Step], shape: tuple[int, ...],
              on_step: Callable[[Step], None] | None = None) -> torch.Tensor:
-    """Every step of a walk on the local tensor `x` of a value of global `shape`."""
+    """Every step of a walk on the local tensor `x` of a value of global `shape`; a hierarchical all-reduce's
+    steps (`Step.flat`) on the flattened tensor, reshaped back after its last gather."""
+    local: tuple[int, ...] | None = None
     for s in steps:
-        x = exchange.run(x, s, shape)
+        if s.flat:
+            if local is None:
+                local, x = tuple(x.shape), x.contiguous().reshape(-1)
+            group = exchange.groups[s.axis]
+            if s.kind == "reduce-scatter":
+                x = funcol.reduce_scatter_tensor(x, "sum", 0, group)
+            elif s.kind == "all-reduce":
+                x = funcol.all_reduce(x, "sum", group)
+            else:
+                x = funcol.all_gather_tensor(x, 0, group)
+                if s.dst != s.src:  # the last gather: the sum whole again
+                    x, local = x.reshape(local), None
+        else:
+            x = exchange.run(x, s, shape)
         if on_step is not None:
             on_step(s)
     return x
