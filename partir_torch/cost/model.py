@@ -242,11 +242,11 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
     if colls:
         names = state.mesh.names
         n_ax = len(names)
-        flat = memo.m_rows.a[moves].ravel()  # each move's row per mesh axis: the collectives in order
+        flat = memo.m_rows.a[moves].ravel()  # each move's rows, two per mesh axis: the collectives in order
         sel = np.flatnonzero(flat >= 0)
         r = flat[sel]
-        ax = sel % n_ax
-        w = st.slot_w[win][sel // n_ax]
+        ax = (sel % (2 * n_ax)) // 2
+        w = st.slot_w[win][sel // (2 * n_ax)]
         wt = w * memo.row_time(hw, dcn_axes)[r]  # w · collective_time
         for a in dict.fromkeys(ax.tolist()):  # first appearance
             by_axis[names[a]] = float(np.cumsum(wt[ax == a])[-1])  # in order, as a loop adds

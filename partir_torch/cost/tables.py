@@ -303,7 +303,7 @@ class Memo:
         self.moves: dict[tuple[int, int, int], int] = {}
         self.m_steps: list[tuple] = []
         self.m_ag = Grow(np.int64)
-        self.m_rows = Grow(np.int64, (len(mesh.names),))
+        self.m_rows = Grow(np.int64, (2 * len(mesh.names),))  # two slots per mesh axis (`move_ids`)
         self.m_fused = Grow(np.int64, (len(KINDS),))  # bytes per kind in the engine's form (`lower.fused`)
         # per slot: the move for the (from, to) it had last, and the collectives for the move they were made for
         self.slot_pair = np.full(st.n_slots, -1, dtype=np.int64)  # from << 32 | to
@@ -347,9 +347,13 @@ class Memo:
                 steps, s, d = reshard(state, vals[slots[j]], src, dst)
                 by_kind = fused(src, dst, steps, st.reduction[vals[slots[j]]])
                 self.m_fused.append([by_kind.get(kind, 0) for kind in KINDS])
-                rows = [-1] * len(self.axes)  # by mesh axis (a reshard moves an axis at most once)
-                for kind, axis, nbytes in steps:
-                    rows[self.axes[axis]] = self.row(axis, kind, nbytes)
+                rows = [-1] * (2 * len(self.axes))  # two per mesh axis: a reshard moves an axis at most twice
+                for kind, axis, nbytes in steps:  # (a hierarchical all-reduce's reduce-scatter and gather back;
+                    i = 2 * self.axes[axis]  # a reduce-scatter, then a misplaced gather)
+                    i += rows[i] >= 0
+                    if rows[i] >= 0:
+                        raise AssertionError(f"reshard {s} -> {d} moves {axis!r} more than twice: {steps}")
+                    rows[i] = self.row(axis, kind, nbytes)
                 self.moves[k] = len(self.m_steps)
                 self.m_steps.append((steps, s, d))
                 self.m_ag.append(sum(nbytes for kind, _, nbytes in steps if kind == "all-gather"))

@@ -280,6 +280,11 @@ def test_without_torch_xla_the_error_says_how_to_install_the_pinned_pair(monkeyp
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError, as when it is not installed
     model, batch = _tagger()
     with pytest.raises(PartirError, match=r"torch_xla is not installed .*torch-xla==2.9.0"):
+        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=torch.optim.SGD(model.parameters()),
+                                backend="xla")
+    assert next(model.parameters()).device.type == "cpu"
+    # without torch_xla the default backend is torch.distributed, which says how to start its ranks
+    with pytest.raises(PartirError, match=r"no torch.distributed process group: start one with torchrun"):
         partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=torch.optim.SGD(model.parameters()))
     assert next(model.parameters()).device.type == "cpu"
 

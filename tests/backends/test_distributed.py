@@ -124,3 +124,109 @@ def test_searched_plans_under_a_memory_limit_run_as_predicted_and_train_as_unsha
     results = four.run(train_case, name, "batch=2,model=2", None, False, True, fraction)
     check(results)
     assert results[0]["sharded"] and "model" in results[0]["axes"], results[0]
+
+
+def compiled_case(rank, world, name):
+    """The rank program through torch.compile (inductor): the same losses and parameters as unsharded."""
+    return train_case(rank, world, name, "batch=2,model=2", EXPERTS["4"], True)
+
+
+def test_compiled_rank_program_trains_as_unsharded(four):
+    check(four.run(compiled_case, "tiny-mlp"))
+
+
+def state_dict_case(rank, world, directory):
+    """DTensor state dicts as FSDP2 users read them, and a DCP checkpoint saved, then loaded into a model
+    sharded again from the same plan: the same parameters and optimizer states, and the same next loss."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    import partir_torch
+
+    model, inputs, loss_fn = build("tiny-gpt2", False)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = partir_torch.auto_shard(model, inputs, "batch=2,model=2", loss_fn=loss_fn, optimizer=opt,
+                                         schedule=EXPERTS["4"], backend="torch", cache=False)
+    partir_torch.step(model, opt, *inputs)
+    sd = model.state_dict()
+    assert all(isinstance(t, DTensor) for t in sd.values())
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert set(full) == set(sd) and all(torch.equal(full[n], sd[n].full_tensor()) for n in sd)
+    dcp.save({"model": sd, "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=directory)
+    saved = {n: t.full_tensor().clone() for n, t in sd.items()}
+    next_loss = float(partir_torch.step(model, opt, *inputs))
+
+    again = copy.deepcopy(ref)
+    opt2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    again, opt2 = partir_torch.auto_shard(again, inputs, "batch=2,model=2", loss_fn=loss_fn, optimizer=opt2,
+                                          plan=model.partir_plan, backend="torch")
+    state = {"model": again.state_dict(), "optim": get_optimizer_state_dict(again, opt2)}
+    dcp.load(state, checkpoint_id=directory)
+    again.load_state_dict(state["model"])
+    set_optimizer_state_dict(again, opt2, state["optim"])
+    same = all(torch.equal(saved[n], t.full_tensor()) for n, t in again.state_dict().items())
+    return same, next_loss, float(partir_torch.step(again, opt2, *inputs))
+
+
+def test_dtensor_state_dicts_and_a_dcp_checkpoint_round_trip(four, tmp_path):
+    for same, expected, got in four.run(state_dict_case, str(tmp_path / "ckpt")):
+        assert same and got == pytest.approx(expected, rel=1e-6)
+
+
+def test_without_a_process_group_the_error_says_how_to_start_one(tiny):
+    import partir_torch
+    from partir_torch.backends.distributed.runtime import DistributedError
+
+    model, inputs, loss_fn = tiny
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(DistributedError, match=r"torchrun --nproc-per-node 4 .*launch\.spawn\(fn, 4\)"):
+        partir_torch.auto_shard(model, inputs, {"batch": 2, "model": 2}, loss_fn=loss_fn, optimizer=opt,
+                                backend="torch")
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters()) and not opt.state
+    assert not hasattr(model, "partir_plan")
+
+
+def bad_input_case(rank, world, what):
+    import partir_torch
+
+    model, inputs, loss_fn = build("tiny-mlp", False)
+    if what == "other-model" and rank == 1:  # one rank builds another model: it must not train another plan
+        from partir_torch import models
+
+        torch.manual_seed(0)
+        model, inputs, loss_fn = models.build("tiny-mlp", {"width": "32"}, device="cpu")
+    mesh = "batch=2,model=4" if what == "mesh" else "batch=2,model=2"
+    opt = torch.optim.AdamW(model.parameters())
+    try:
+        model, opt = partir_torch.auto_shard(model, inputs, mesh, loss_fn=loss_fn, optimizer=opt,
+                                             schedule="batch:BatchParallel", backend="torch", cache=False)
+    except partir_torch.PartirError as e:
+        return str(e), hasattr(model, "partir_plan")
+    errors = []
+    for plain in (lambda: loss_fn(model, *inputs), opt.step):
+        try:
+            plain()
+        except partir_torch.PartirError as e:
+            errors.append(str(e))
+    return (errors[0] if len(errors) == 2 else None), hasattr(model, "partir_plan")
+
+
+@pytest.mark.parametrize(("what", "message"), [
+    ("mesh", r"the process group has 4 ranks but the mesh Mesh\{batch:2, model:4\} spans 8 devices"),
+    ("other-model", r"failed on rank 1: PlanMismatchError: the plan does not fit this model"),
+    ("plain-loop", r"Train with `loss = partir_torch.step\(model, optimizer, \*batch\)`"),
+])
+def test_bad_input_is_an_error_on_every_rank_never_a_hang(four, what, message):
+    import re
+
+    for msg, flag in four.run(bad_input_case, what):
+        assert msg is not None and re.search(message, msg), msg
+        assert flag is (what == "plain-loop")  # (sharded only where the error comes at the plain loop's step)

@@ -13,8 +13,8 @@ What `apply` does to the user's model, undone by `unshard(model)`:
 `step(model, optimizer, *batch)` passes the local shards of parameters, buffers, states and of the global
 batch (or the rank's own part, `local=True`) to the graph and writes the updated values back in place; it
 returns the loss, a replicated scalar. The gradients are the graph's temporaries: `param.grad` stays None.
-The plain loop's `optimizer.step()` is refused with an error naming `partir_torch.step`: backward through
-the DTensor model would run DTensor's own partitioning, not the plan.
+The plain loop is refused with an error naming `partir_torch.step` (the model's forward, and the optimizer's
+`step`): it would run DTensor's own partitioning, not the plan.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class Sharded:
     optimizer: torch.optim.Optimizer | None = None
     compiled: bool = False
     steps: int = 0
+    hook: Any = None  # the root's forward pre-hook (`_no_plain_forward`)
 
 
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, Sharded] = weakref.WeakKeyDictionary()
@@ -153,6 +154,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
         gm = trace(rec.program, local)
         rec.graph = _compiled(gm) if compile else gm
         rec.compiled = compile
+        rec.hook = model.register_forward_pre_hook(_no_plain_forward)
     except BaseException:
         for mod, attr, t in rec.originals:
             setattr(mod, attr, t)
@@ -188,6 +190,14 @@ def _compiled(gm):
 
     inductor_config.fallback_random = True  # the rank draws the unsharded step's numbers (`rank.py`)
     return torch.compile(gm, backend="inductor", dynamic=False)
+
+
+def _no_plain_forward(module: nn.Module, args: Any) -> None:
+    """The sharded model's own forward would run DTensor's partitioning (and fails on plain tensors)."""
+    raise DistributedError(f"{type(module).__name__} is sharded by partir_torch on torch.distributed: its parameters "
+                           "are DTensors that only the plan's rank program runs. Train with `loss = "
+                           "partir_torch.step(model, optimizer, *batch)`; to run the model's own forward (evaluation, "
+                           "export), call partir_torch.unshard(model) first")
 
 
 class _PlannedStep:
@@ -297,6 +307,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
 def unshard(model: nn.Module) -> nn.Module:
     """Undo `apply`: the caller's own parameter and buffer objects back, holding the trained (whole) values."""
     rec = _require(model)
+    if rec.hook is not None:
+        rec.hook.remove()
     done: set[int] = set()
     current = {(id(m), a): getattr(m, a) for m, a, _ in rec.originals}
     for mod, attr, orig in rec.originals:
