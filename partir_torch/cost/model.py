@@ -200,6 +200,14 @@ def evaluate(state: ShardingState, hw: Hardware, *, dcn_axes: frozenset[str] = f
             gc.enable()
 
 
+def op_times(state: ShardingState, hw: Hardware) -> np.ndarray:
+    """Per op, the compute time `evaluate` charges it on `hw` (fold weight included): what a calibration holds
+    against measured kernel times (`benchmarks/gpu.py`)."""
+    evaluate(state, hw)
+    st, memo = tables(state)
+    return _refresh(state, st, memo).terms.copy()
+
+
 def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memory_limit: float | None) -> CostReport:
     st, memo = tables(state)
     if (hw.max_fast_devices, dcn_axes) not in st.checked:  # once per analysis, not per state
