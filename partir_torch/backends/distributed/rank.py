@@ -28,12 +28,13 @@ from typing import Any
 import torch
 
 from partir_torch.backends.distributed.reshard import Exchange, run_walk
+from partir_torch.errors import PartirError
 from partir_torch.ir.program import Ref
 from partir_torch.ir.sharding import Sharding
 from partir_torch.layout import Layout, Step, walk
 from partir_torch.lower import dedup_key, pull_back, relayouts, required_operand
 from partir_torch.propagate import ShardingState
-from partir_torch.rules.base import op_tags, tensor_args
+from partir_torch.rules.base import op_tags, tensor_args, where
 from partir_torch.rules.random import SEEDED_TAG
 from partir_torch.simulate import _SHAPE_ARG, local_args, run_local
 
@@ -41,6 +42,10 @@ from partir_torch.simulate import _SHAPE_ARG, local_args, run_local
 SHAPE_ONLY = frozenset({"aten.rand_like.default", "aten.randn_like.default", "aten.randint_like.default",
                         "aten.randint_like.low_dtype", "aten.bernoulli.p", "aten.uniform.default",
                         "aten.exponential.default"})
+
+
+class LocalizeError(PartirError):
+    """An op of the step cannot run on local shards under the plan."""
 
 
 class RankProgram:
@@ -141,30 +146,47 @@ class RankProgram:
         cache: dict = {}
         donate = self._donations()
         for op in prog.ops:
-            rule = state.rules[op.id]
-            results = [o for o in op.outputs if o >= 0]
-            if draws(op):
-                for r, (v, t) in enumerate(zip(results, self._draw(op, env, cache))):
-                    env[v] = self.reshard(env, cache, v, state.op_output(op.id, r), state.shard[v], t)
-                continue
-            operands = [self.reshard(env, cache, t.value, state.shard[t.value], required_operand(state, op.id, i))
-                        for i, t in enumerate(rule.operands)]
-            if not rule.operands and (meta := tensor_args(op)):  # read for dtype and device only
-                operands = [env[v] for v in meta]
-            contiguous = op.target in ("aten.view.default", "aten._unsafe_view.default")
-            it = iter(x.contiguous() if contiguous else x for x in operands)
-            args, kwargs = local_args(op, _subst(op.args, it), {k: _subst(a, it) for k, a in op.kwargs}, state)
-            out = run_local(op, args, kwargs, state, self.exchange.coord)
-            outs = [t for o_id, t in zip(op.outputs, out if isinstance(out, (tuple, list)) else [out]) if o_id >= 0]
-            for r, (v, t) in enumerate(zip(results, outs)):
-                k = state.mean_scale(op.id, r)
-                if k > 1:
-                    t = t / k
+            try:
+                self._run(op, env, cache, donate)
+            except PartirError:
+                raise
+            except Exception as e:
+                raise LocalizeError(
+                    f"{op.target} in {where(op)} cannot run on this rank's shards under the plan ({type(e).__name__}: "
+                    f"{e}); plan with fallback=True to run ops without a rule replicated, or report the op") from e
+        return self._finish(env, cache)
+
+    def _run(self, op, env: dict[int, torch.Tensor], cache: dict, donate: set[int]) -> None:
+        """One op of the step on this rank (the class docstring)."""
+        state, prog = self.state, self.program
+        rule = state.rules[op.id]
+        results = [o for o in op.outputs if o >= 0]
+        if draws(op):
+            for r, (v, t) in enumerate(zip(results, self._draw(op, env, cache))):
                 env[v] = self.reshard(env, cache, v, state.op_output(op.id, r), state.shard[v], t)
-                if v in donate:  # the update written over its input's buffer (donation): freed at once
-                    old = prog.updates[v]
-                    env[old].copy_(env[v])
-                    env[v] = env[old]
+            return
+        operands = [self.reshard(env, cache, t.value, state.shard[t.value], required_operand(state, op.id, i))
+                    for i, t in enumerate(rule.operands)]
+        if not rule.operands and (meta := tensor_args(op)):  # read for dtype and device only
+            operands = [env[v] for v in meta]
+        contiguous = op.target in ("aten.view.default", "aten._unsafe_view.default")
+        it = iter(x.contiguous() if contiguous else x for x in operands)
+        args, kwargs = local_args(op, _subst(op.args, it), {k: _subst(a, it) for k, a in op.kwargs}, state)
+        out = run_local(op, args, kwargs, state, self.exchange.coord)
+        outs = [t for o_id, t in zip(op.outputs, out if isinstance(out, (tuple, list)) else [out]) if o_id >= 0]
+        for r, (v, t) in enumerate(zip(results, outs)):
+            k = state.mean_scale(op.id, r)
+            if k > 1:
+                t = t / k
+            env[v] = self.reshard(env, cache, v, state.op_output(op.id, r), state.shard[v], t)
+            if v in donate:  # the update written over its input's buffer (donation): freed at once
+                old = prog.updates[v]
+                env[old].copy_(env[v])
+                env[v] = env[old]
+
+    def _finish(self, env: dict[int, torch.Tensor], cache: dict) -> list[torch.Tensor]:
+        """The loss replicated, the updated values in their inputs' shardings (and the gradients)."""
+        state, prog = self.state, self.program
         res = []
         if prog.loss is not None:
             res.append(self.reshard(env, cache, prog.loss, state.shard[prog.loss], Sharding.replicated(0)))

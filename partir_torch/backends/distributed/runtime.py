@@ -58,6 +58,12 @@ def device_of_group() -> torch.device:
     """The device the default process group's collectives run on."""
     backend = dist.get_backend()
     if backend == "nccl":
+        if not torch.cuda.is_available():
+            found = ["cpu"] + ([torch.accelerator.current_accelerator().type] if hasattr(torch, "accelerator")
+                               and torch.accelerator.current_accelerator() is not None else [])
+            raise DistributedError(f"the process group runs NCCL, which needs CUDA devices, but none is found "
+                                   f"(devices here: {', '.join(found)}); start it with gloo (CPU), or on a GPU "
+                                   "machine")
         return torch.device("cuda", torch.cuda.current_device())
     if backend == "gloo":
         return torch.device("cpu")
