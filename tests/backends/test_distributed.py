@@ -241,7 +241,10 @@ def plan_file_case(rank, world, path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = partir_torch.auto_shard(model, inputs, "batch=2,model=2", loss_fn=loss_fn, optimizer=opt, plan=path,
                                          backend="torch")
-    return [float(partir_torch.step(model, opt, *inputs)) for _ in range(3)]
+    losses = [float(partir_torch.step(model, opt, *inputs)) for _ in range(3)]
+    report = partir_torch.verify(model, inputs, steps=2)  # on copies: the model trains on unchanged
+    assert float(partir_torch.step(model, opt, *inputs)) < losses[-1]
+    return losses, report.to_json(), report.table()
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("torch_xla") is None, reason="torch_xla not installed")
@@ -257,8 +260,14 @@ def test_one_plan_file_gives_the_same_losses_on_both_backends(four, tmp_path):
     plan.save(tmp_path / "plan.json")
     xla = verify(plan, model, inputs, loss_fn=loss_fn, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                  steps=3, numerics=True).losses
-    for losses in four.run(plan_file_case, str(tmp_path / "plan.json")):
+    for losses, report, table in four.run(plan_file_case, str(tmp_path / "plan.json")):
         assert losses == pytest.approx(xla, rel=1e-5), (losses, xla)
+        # `partir_torch.verify` on the torch backend: the rank's collectives and memory against the plan
+        assert report["unexpected_collectives"] == [] and set(report["ratios"].values()) == {1.0}, report["ratios"]
+        assert abs(report["memory_ratio"] - 1) <= 0.15, report["memory_ratio"]
+        # (float32: parameters whose gradient is zero by symmetry differ by Adam-scaled rounding, docs/distributed.md)
+        assert report["losses"] == pytest.approx(report["reference_losses"], rel=1e-5), report
+        assert "no collective the plan did not predict" in table
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the check itself")

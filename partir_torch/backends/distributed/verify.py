@@ -83,8 +83,8 @@ def _whole(t: torch.Tensor, v: int, rec: engine.Sharded) -> torch.Tensor:
     import torch.distributed as dist
 
     sh = rec.state.shard[v]
-    if not any(sh.dims):
-        return t
+    if not any(sh.dims):  # (a copy: the sharded step writes its updates over its inputs)
+        return t.clone()
     val = rec.state.program.values[v]
     parts = [torch.empty_like(t) for _ in range(rec.rank_mesh.world)]
     dist.all_gather(parts, t.contiguous())
