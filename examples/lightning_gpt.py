@@ -2,9 +2,11 @@
 
     .venv/bin/python examples/lightning_gpt.py           # a 4-layer GPT, 8 steps
     .venv/bin/python examples/lightning_gpt.py --tiny    # seconds (what the test runs)
+    .venv/bin/python examples/lightning_gpt.py --tiny --backend torch   # 4 CPU processes launched by Lightning
 
 `AutoShardStrategy` captures this module's own `training_step` on the first batch, searches a plan for the
-mesh, applies it with torch_xla SPMD and trains; `strategy.plan` is the plan it applied.
+mesh, applies it (torch_xla SPMD in this process; or, with `--backend torch`, on torch.distributed: Lightning
+starts one process per device) and trains; `strategy.plan` is the plan it applied.
 """
 
 from __future__ import annotations
@@ -41,16 +43,21 @@ class LitGPT(pl.LightningModule):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--backend", choices=["xla", "torch"], default="xla")
     args = ap.parse_args()
     torch.manual_seed(0)
     vocab, d, heads, layers, seq, batch = (128, 32, 4, 2, 16, 8) if args.tiny else (4096, 256, 8, 4, 128, 16)
     data = torch.randint(0, vocab, (4 * batch, seq + 1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch)
-    strategy = AutoShardStrategy({"batch": 2, "model": 4}, memory="400KiB" if args.tiny else "40MiB", budget=80)
+    mesh = {"batch": 2, "model": 4} if args.backend == "xla" else {"batch": 2, "model": 2}
+    strategy = AutoShardStrategy(mesh, memory="400KiB" if args.tiny else "40MiB", budget=80, backend=args.backend)
+    devices = {"accelerator": "cpu", "devices": 4} if args.backend == "torch" else {}
     trainer = pl.Trainer(strategy=strategy, max_steps=3 if args.tiny else 8, logger=False, enable_checkpointing=False,
-                         enable_model_summary=False, enable_progress_bar=not args.tiny)
+                         enable_model_summary=False, enable_progress_bar=not args.tiny, **devices)
     model = LitGPT(vocab, d, heads, layers, seq)
     trainer.fit(model, loader)
+    if trainer.global_rank:
+        return
     print("the applied plan's sharded parameters:")
     for name, spec in strategy.plan.params.items():
         if any(spec):

@@ -9,7 +9,8 @@ what runs. A step moves one mesh axis, and its data stays inside that axis's gro
         hierarchically (the flattened sum reduce-scattered over each axis but the last, minor first, the part
         all-reduced over the last, gathered back: each axis moves 1/n of the bytes of the one before, so k
         axes cost one ring over their product);
-    axes held in another place of their dim's order than the destination's (`misplaced`) gathered;
+    axes held in another place of their dim's order than the destination's (`misplaced`) gathered, and of
+        two axes swapping dims, one;
     then axis by axis (mesh order, the axes gathered off one dim minor first): gathered, moved to another
         dim (all-to-all), or sliced; an axis lands minor-most on its dim, so the axes of a dim land in the
         destination's order (earlier ones pulled forward); a chunked dim (`Sharding.chunks`) split by one
@@ -189,8 +190,16 @@ def walk(src: Sharding, dst: Sharding, shape: tuple[int, ...], itemsize: int, me
         if axis in moved:
             nxt = cur.moved(axis, None, axis in cur.partial)
             step("all-gather", axis, nxt, nbytes(nxt))
-    now = _sharding(cur)
-    for axis in _land_order(_gather_order(now, dst, mesh.names), now, dst):
+    while True:
+        now = _sharding(cur)
+        order, cycle = _land_order(_gather_order(now, dst, mesh.names), now, dst)
+        if not cycle:
+            break
+        for axis in mesh.names:  # (axes swapping dims)
+            if axis in cycle:
+                nxt = cur.moved(axis, None, axis in cur.partial)
+                step("all-gather", axis, nxt, nbytes(nxt))
+    for axis in order:
         s_dim, d_dim = cur.dim_of(axis), dst.dim_of(axis)
         s_part, d_part = axis in cur.partial, axis in dst.partial
         k_dst = end.chunks[d_dim] if d_dim is not None else 1
@@ -229,15 +238,21 @@ def _dim_order(axes: list[str], dst: Sharding) -> list[str]:
     return out
 
 
-def _land_order(order: list[str], src: Sharding, dst: Sharding) -> list[str]:
+def _land_order(order: list[str], src: Sharding, dst: Sharding) -> tuple[list[str], set[str]]:
     """`order`, with each axis that lands on a dim of `dst` preceded by what must happen on that dim first (an
-    axis lands minor-most): the axes of `src` leaving the dim gathered (minor first), and the axes before it
-    in the dim's order of `dst`."""
+    axis lands minor-most): the axes of `src` leaving the dim (minor first), and the axes before it in the
+    dim's order of `dst`; and the axes in a cycle of such needs (two axes swapping dims), to gather first."""
     out: list[str] = []
+    stack: list[str] = []
+    cycle: set[str] = set()
 
     def emit(a: str) -> None:
         if a in out:
             return
+        if a in stack:  # each waits for the other to leave: gathered first, sliced in its place later
+            cycle.add(a)
+            return
+        stack.append(a)
         d = dst.dim_of(a)
         if d is not None:
             for gone in reversed(src.dims[d]):
@@ -245,11 +260,12 @@ def _land_order(order: list[str], src: Sharding, dst: Sharding) -> list[str]:
                     emit(gone)
             for prior in dst.dims[d][:dst.dims[d].index(a)]:
                 emit(prior)
+        stack.pop()
         out.append(a)
 
     for a in order:
         emit(a)
-    return out
+    return out, cycle
 
 
 def _k(cur: Layout, end: Layout, d: int) -> int:

@@ -29,7 +29,7 @@ from partir_torch.errors import PartirError
 
 try:
     from pytorch_lightning.accelerators import Accelerator
-    from pytorch_lightning.strategies import SingleDeviceStrategy
+    from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 except ImportError as e:  # pragma: no cover - the environment pins it
     raise PartirError(
         f"partir_torch.lightning needs pytorch-lightning ({e}); pip install 'pytorch-lightning==2.6.6'"
@@ -102,15 +102,25 @@ class _Silenced:
 class AutoShardStrategy(SingleDeviceStrategy):
     """Search a sharding plan for the `LightningModule`'s training step on `mesh` and train with it.
 
-    `mesh`, `hardware`, `schedule`, `memory`, `budget`, `seed`, `plan`, `fallback` and `assume_compiling` are
-    `auto_shard`'s. After `fit`,
-    `strategy.plan` is the applied `ShardingPlan`."""
+    `mesh`, `hardware`, `schedule`, `memory`, `budget`, `seed`, `plan`, `fallback`, `assume_compiling` and
+    `backend` are `auto_shard`'s (`backend="torch"`: `TorchAutoShardStrategy`, one process per device). After
+    `fit`, `strategy.plan` is the applied `ShardingPlan`."""
 
     strategy_name = "partir_auto_shard"
 
+    def __new__(cls, mesh=None, *, backend: str | None = None, **options: Any):
+        """`backend` as `auto_shard` chooses it (`api.choose_backend`): "torch" gives a
+        `TorchAutoShardStrategy`."""
+        from partir_torch.api import choose_backend
+
+        if cls is AutoShardStrategy and choose_backend(backend) == "torch":
+            return TorchAutoShardStrategy(mesh, **options)
+        return super().__new__(cls)
+
     def __init__(self, mesh, *, hardware: str | None = None, schedule: str | None = None,
                  memory: float | str | None = None, budget: str | int | None = None, seed: int = 0,
-                 plan=None, fallback: bool = False, assume_compiling: bool = False) -> None:
+                 plan=None, fallback: bool = False, assume_compiling: bool = False,
+                 backend: str | None = None) -> None:
         from partir_torch.ir.mesh import parse_mesh
 
         self.mesh, _ = parse_mesh(mesh)  # a bad mesh is reported when the Trainer is built
@@ -196,5 +206,104 @@ class AutoShardStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         if module is not None and xla.sharded(module) is not None:
             xla.unshard(module)
+        self.optimizers = []
+        super().teardown()
+
+
+class TorchAutoShardStrategy(DDPStrategy):
+    """`AutoShardStrategy(mesh, backend="torch")`: Lightning launches one process per device (its own launcher:
+    `Trainer(accelerator="cpu", devices=4)` on gloo, GPUs on NCCL, or under torchrun); on the first training batch
+    rank 0 plans the module's `training_step` and every rank applies the plan (`auto_shard(..., backend="torch")`);
+    each step is then the plan's rank program (`partir_torch.step`): Lightning's backward and optimizer step are
+    part of it. Every rank sees the whole batch (the sampler is not split by rank: the plan splits it). The
+    module's state dict is gathered whole for Lightning's checkpoints; at teardown the module is unsharded."""
+
+    strategy_name = "partir_auto_shard_torch"
+
+    def __init__(self, mesh, *, compile: bool = False, plan=None, **options: Any) -> None:
+        from partir_torch.ir.mesh import parse_mesh
+
+        self.mesh, _ = parse_mesh(mesh)
+        self._mesh_arg, self.options, self.plan, self.compile = mesh, options, plan, compile
+        self._sharded = False
+        super().__init__()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}  # every rank the global batch
+
+    def configure_ddp(self) -> None:
+        """No DDP wrapper: the plan is the parallelism."""
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        module = self.lightning_module
+        if not self._sharded and module is not None and module.trainer.training:
+            leaves, spec = pytree.tree_flatten(batch)
+            self._shard(module, leaves, spec, [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)])
+        return batch
+
+    def _shard(self, module, leaves: list, spec, tensors: list[int]) -> None:
+        from partir_torch.backends.distributed import shard
+
+        if len(self.optimizers) != 1:
+            raise PartirError(f"AutoShardStrategy shards one optimizer; configure_optimizers returned "
+                              f"{len(self.optimizers)}")
+        if self.lr_scheduler_configs:
+            raise PartirError("AutoShardStrategy(backend='torch') runs the optimizer as captured: an LR scheduler is "
+                              "not supported on the torch backend yet (use backend='xla', or none)")
+        template = self.optimizers[0]
+
+        def loss_fn(model, *xs: torch.Tensor) -> torch.Tensor:
+            full = list(leaves)
+            for i, x in zip(tensors, xs):
+                full[i] = x
+            return _loss_of(model.training_step(pytree.tree_unflatten(full, spec), 0))
+
+        with _Silenced(module):
+            _, opt = shard.auto_shard(module, [leaves[i] for i in tensors], self._mesh_arg, loss_fn=loss_fn,
+                                      optimizer=template, plan=self.plan, compile=self.compile, **self.options)
+        self.optimizers = [opt]
+        self.plan, self._sharded, self._tensors = module.partir_plan, True, tensors
+        if self.global_rank == 0:
+            module.print(f"partir_torch: {type(module).__name__} sharded over {self.mesh} on torch.distributed\n"
+                         f"{self.plan.table()}")
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        from partir_torch.backends.distributed import engine
+
+        leaves, _ = pytree.tree_flatten(args[0])
+        module = self.lightning_module
+        loss = engine.step(module, self.optimizers[0], *(leaves[i] for i in self._tensors))
+        module.log("loss", loss, prog_bar=True)  # (the module's own training_step, and its logging, ran at capture)
+        return loss
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return closure_loss  # the rank program's backward ran in `training_step`
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        return closure()  # the step (forward, backward, update) is the rank program, run by the closure
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        module = self.lightning_module
+        if not self._sharded:
+            return super().lightning_module_state_dict()
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if not self._sharded:
+            return super().optimizer_state(optimizer)
+        return get_optimizer_state_dict(self.lightning_module, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def teardown(self) -> None:
+        from partir_torch.backends.distributed import engine
+
+        module = self.lightning_module
+        if module is not None and engine.sharded(module) is not None:
+            engine.unshard(module)
         self.optimizers = []
         super().teardown()

@@ -86,6 +86,7 @@ class Sharded:
     compiled: bool = False
     steps: int = 0
     hook: Any = None  # the root's forward pre-hook (`_no_plain_forward`)
+    hyper: list[dict[str, Any]] = field(default_factory=list)  # each param group's hyperparameters, as captured
 
 
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, Sharded] = weakref.WeakKeyDictionary()
@@ -233,7 +234,12 @@ def _shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rec: Sh
                     shape=t.shape, stride=_contiguous_stride(t.shape))
             new.state[p] = st
     rec.optimizer = new
+    rec.hyper = [_hyper(g) for g in new.param_groups]
     return new
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, tuple, bool))}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -286,6 +292,13 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
     if optimizer is not rec.optimizer:
         raise DistributedError("this optimizer is not the one auto_shard returned for this model; pass that one")
     prog = rec.state.program
+    groups = zip(rec.hyper, optimizer.param_groups)
+    changed = [f"group {i} {k}: {was[k]} -> {now.get(k)}" for i, (was, g) in enumerate(groups)
+               for now in [_hyper(g)] for k in was if now.get(k) != was[k]]
+    if changed:
+        raise DistributedError("the optimizer's hyperparameters changed since the step was captured "
+                               f"({'; '.join(changed[:4])}): the rank program runs them as captured (an LR "
+                               "scheduler is not supported on the torch backend yet); keep them fixed, or shard again")
     check_batch(prog, rec.state, rec.rank_mesh, batch, local)
     flat = _inputs(rec, model, optimizer, batch, local=local)
     with torch.no_grad():

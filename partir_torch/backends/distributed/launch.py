@@ -39,6 +39,8 @@ def _backend(world: int, backend: str | None) -> str:
 def _join(rank: int, world: int, port: int, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if backend != "nccl":  # ranks share the CPU's cores (torchrun sets OMP_NUM_THREADS=1 likewise)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, rank=rank, world_size=world)
