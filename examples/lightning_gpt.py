@@ -44,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--backend", choices=["xla", "torch"], default="xla")
+    ap.add_argument("--checkpoint", default=None, help="a directory: Lightning checkpoints the sharded module there")
     args = ap.parse_args()
     torch.manual_seed(0)
     vocab, d, heads, layers, seq, batch = (128, 32, 4, 2, 16, 8) if args.tiny else (4096, 256, 8, 4, 128, 16)
@@ -52,8 +53,10 @@ def main() -> None:
     mesh = {"batch": 2, "model": 4} if args.backend == "xla" else {"batch": 2, "model": 2}
     strategy = AutoShardStrategy(mesh, memory="400KiB" if args.tiny else "40MiB", budget=80, backend=args.backend)
     devices = {"accelerator": "cpu", "devices": 4} if args.backend == "torch" else {}
-    trainer = pl.Trainer(strategy=strategy, max_steps=3 if args.tiny else 8, logger=False, enable_checkpointing=False,
-                         enable_model_summary=False, enable_progress_bar=not args.tiny, **devices)
+    saving = {"callbacks": [pl.callbacks.ModelCheckpoint(dirpath=args.checkpoint, every_n_train_steps=2)]} \
+        if args.checkpoint else {"enable_checkpointing": False}
+    trainer = pl.Trainer(strategy=strategy, max_steps=3 if args.tiny else 8, logger=False, enable_model_summary=False,
+                         enable_progress_bar=not args.tiny, **devices, **saving)
     model = LitGPT(vocab, d, heads, layers, seq)
     trainer.fit(model, loader)
     if trainer.global_rank:
