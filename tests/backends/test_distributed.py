@@ -159,6 +159,7 @@ def state_dict_case(rank, world, directory):
     partir_torch.step(model, opt, *inputs)
     sd = model.state_dict()
     assert all(isinstance(t, DTensor) for t in sd.values())
+    strided = _strided_states_are_the_plan_s(model, opt)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     assert set(full) == set(sd) and all(torch.equal(full[n], sd[n].full_tensor()) for n in sd)
     dcp.save({"model": sd, "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=directory)
@@ -174,7 +175,29 @@ def state_dict_case(rank, world, directory):
     again.load_state_dict(state["model"])
     set_optimizer_state_dict(again, opt2, state["optim"])
     same = all(torch.equal(saved[n], t.full_tensor()) for n, t in again.state_dict().items())
-    return same, next_loss, float(partir_torch.step(again, opt2, *inputs))
+    return same and strided, next_loss, float(partir_torch.step(again, opt2, *inputs))
+
+
+def _strided_states_are_the_plan_s(model, opt) -> bool:
+    """ZeRO-1 on `batch` after Megatron on `model` splits a state's dim (model, batch), against the mesh's order:
+    its DTensor (`_StridedShard`) gathers to the same whole tensor as the plan's own layout of its parts."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from partir_torch.backends.distributed import engine
+    from partir_torch.backends.distributed.verify import _whole
+
+    rec = engine.sharded(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    strided = 0
+    for p, st in opt.state.items():
+        for s, t in st.items():
+            if t.dim() == 0:
+                continue
+            strided += any(isinstance(x, _StridedShard) for x in t.placements)
+            vid = rec.state.program.opt_states[names[id(p)]][s]
+            if not torch.equal(t.full_tensor(), _whole(t.to_local(), vid, rec)):
+                return False
+    return strided > 0
 
 
 def test_dtensor_state_dicts_and_a_dcp_checkpoint_round_trip(four, tmp_path):
