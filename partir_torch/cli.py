@@ -219,6 +219,11 @@ def parse_mesh(text: str):
     return parse(text)
 
 
+def _is_factory(model: str) -> bool:
+    """MODEL is `file.py:factory` (user code), not a zoo name."""
+    return ":" in model and model.rsplit(":", 1)[0].endswith(".py")
+
+
 def _request_key(args: argparse.Namespace) -> str:
     """The request-level key of the plan cache (`partir_torch/cache.py`): the command line as typed, with a
     factory file's path made absolute; everything that decides the plan, nothing that only formats it."""
@@ -264,7 +269,9 @@ def _emit_plan(plan: dict[str, Any], text: str, args: argparse.Namespace) -> Non
 
 def cmd_plan(args: argparse.Namespace) -> int:
     request = None
-    if not args.no_cache and not args.explain:  # --explain needs the state: it plans
+    # the request level serves zoo models only: a factory may read environment variables or files the request
+    # key cannot see, so its repeat is captured and served by program (never another program's plan)
+    if not args.no_cache and not args.explain and not _is_factory(args.model):  # (--explain needs the state)
         from partir_torch import cache
 
         request = _request_key(args)

@@ -233,12 +233,15 @@ def make(width: int = 8):
 """
 
 
-def test_cli_an_edited_factory_misses_the_request_cache_and_hits_the_program_cache(tmp_path, capsys, count_searches):
+def test_cli_a_factory_s_repeat_is_served_by_program_never_by_request(tmp_path, capsys, count_searches):
+    """A factory is user code: its repeat is captured and served by the program's key (an edited comment: the
+    same program, served; another program: searched)."""
     f = tmp_path / "mine.py"
     f.write_text(FACTORY.format(comment="v1"))
     argv = ["plan", f"{f}:make", "--mesh", "batch=2", "--budget", "3"]
     assert main(argv) == 0 and main(argv) == 0
-    assert "(request key" in capsys.readouterr().out and len(count_searches) == 1
+    out = capsys.readouterr().out
+    assert "(request key" not in out and "(program key" in out and len(count_searches) == 1
     f.write_text(FACTORY.format(comment="v2, same program"))
     os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))
     assert main(argv) == 0
@@ -320,3 +323,30 @@ def test_cli_with_an_unwritable_cache_warns_once_and_prints_the_plan(tmp_path, m
     assert "parameters sharded" in capsys.readouterr().out
     cw = [str(w.message) for w in caught if issubclass(w.category, cache.CacheWarning)]
     assert len(cw) == 1 and "cannot write the plan cache" in cw[0] and str(blocker) in cw[0]
+
+
+ENV_FACTORY = """
+import os, torch, torch.nn as nn, torch.nn.functional as F
+def make():
+    width = {"small": 8, "wide": 16}[os.environ["ARCH"]]  # what the factory builds comes from the environment
+    model = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
+    return model, (torch.randn(4, width), torch.randn(4, width)), lambda m, x, y: F.mse_loss(m(x), y)
+"""
+
+
+def test_cli_a_factory_reading_the_environment_never_gets_another_program_s_plan(tmp_path, capsys, monkeypatch,
+                                                                                  count_searches):
+    f = tmp_path / "models.py"
+    f.write_text(ENV_FACTORY)
+    argv = ["plan", f"{f}:make", "--mesh", "batch=2", "--budget", "3", "--json"]
+    monkeypatch.setenv("ARCH", "small")
+    assert main(argv) == 0
+    small = json.loads(capsys.readouterr().out)
+    monkeypatch.setenv("ARCH", "wide")
+    assert main(argv) == 0
+    wide = json.loads(capsys.readouterr().out)
+    assert small["shapes"]["params"]["0.weight"] == [16, 8] and wide["shapes"]["params"]["0.weight"] == [32, 16]
+    assert "cache" not in wide and len(count_searches) == 2
+    monkeypatch.setenv("ARCH", "small")
+    assert main(argv) == 0  # a repeat of the first: served, by program
+    assert json.loads(capsys.readouterr().out)["cache"]["level"] == "program"
