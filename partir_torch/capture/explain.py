@@ -33,6 +33,11 @@ def _user_frame(e: BaseException) -> traceback.FrameSummary | None:
     return user_frame(traceback.extract_tb(e.__traceback__))
 
 
+class CompiledPathError(CaptureError):
+    """Data-dependent control flow: `capture` tries the library's compiled path (libraries skip such checks
+    when compiled: HF's padding and SDPA mask checks), and raises this when that fails too."""
+
+
 def explain(e: Exception, tracker: ModuleTracker, inputs: tuple[torch.Tensor, ...]) -> CaptureError:
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     frame = _user_frame(e)
@@ -41,7 +46,7 @@ def explain(e: Exception, tracker: ModuleTracker, inputs: tuple[torch.Tensor, ..
     from torch._subclasses.fake_tensor import UnsupportedOperatorException
 
     if data_dependent(e):
-        return CaptureError(
+        return CompiledPathError(
             f"the model has data-dependent Python control flow or reads a tensor's value{where}: capture traces "
             "with shapes only, so a branch or `.item()` on tensor values cannot be followed. Replace it with "
             f"torch.where / masking, or make it depend on shapes only.{_compile_hint(frame)}{_opaque_hint(tracker)} "

@@ -32,7 +32,7 @@ from partir_torch.capture.checks import check_dtypes, check_functional
 from partir_torch.capture.convert import to_program
 from partir_torch.capture.decomp import FUNCTIONAL_DECOMPS
 from partir_torch.capture.draws import ScalarDraws
-from partir_torch.capture.explain import data_dependent, explain
+from partir_torch.capture.explain import CompiledPathError, data_dependent, explain
 from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
 from partir_torch.capture.isolation import ModelState
@@ -56,6 +56,7 @@ def capture(
     fallback: bool = False,
     sources: bool = True,
     _strict: bool = True,
+    _compiled_path: bool = True,
 ) -> Program:
     """Capture `loss_fn(model, *example_inputs)`, its backward and the optimizer update as a `Program`.
 
@@ -66,9 +67,10 @@ def capture(
     (see `capture/fold.py`): what the search uses on deep models. A container whose cut forward cannot be
     captured (e.g. the forward indexes a block by number) is left whole, with a warning, and the others are
     still folded (`_capture_folded`); with none left, the full model is captured.
-    `assume_compiling=True` (opt-in) makes `torch.compiler.is_compiling()` true while tracing, so libraries
-    that skip data-dependent checks under torch.compile take that path (HF transformers' SDPA attention-mask
-    check `torch.all(mask == 1)`); the capture error for such a check suggests it.
+    `assume_compiling=True` makes `torch.compiler.is_compiling()` true while tracing, so libraries that skip
+    data-dependent checks under torch.compile take that path (HF transformers' SDPA attention-mask check
+    `torch.all(mask == 1)`); without it, a capture that stops at such a check takes that path by itself, with
+    one warning (`program.compiling`: backends run the forward so too).
     `fallback=True` (opt-in, CLI --fallback) captures a submodule whose forward has data-dependent shapes (MoE
     routing) as one opaque op, run replicated, with one warning naming it and its measured FLOPs
     (`capture/opaque.py`); without it, that is an error which suggests it.
@@ -82,6 +84,20 @@ def capture(
                               sources=sources, _strict=_strict)
         program.compiling = True  # (a backend runs the forward so too: the same path as captured)
         return program
+    if _compiled_path and not torch.compiler.is_compiling():
+        try:
+            return capture(model, example_inputs, loss_fn, optimizer, mode=mode, fold=fold, fallback=fallback,
+                           sources=sources, _strict=_strict, _compiled_path=False)
+        except CompiledPathError as first:  # libraries skip such checks when compiled (HF's padding, SDPA mask)
+            try:
+                program = capture(model, example_inputs, loss_fn, optimizer, mode=mode, fold=fold, fallback=fallback,
+                                  sources=sources, assume_compiling=True, _strict=_strict)
+            except CaptureError:
+                raise first from None
+            warnings.warn("capture took the library's compiled path (as with assume_compiling=True: "
+                          "torch.compiler.is_compiling() true), which skips a check on tensor values: "
+                          f"{str(first).split(': capture traces')[0]}", stacklevel=2)
+            return program
     if fold:
         program = _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback, sources)
         if program is not None:

@@ -91,23 +91,27 @@ def test_torchvision_resnet18():
 
 
 @pytest.mark.thirdparty
-def test_library_checks_name_the_supported_way_through():
-    from partir_torch.errors import CaptureError
-
+def test_library_checks_on_tensor_values_are_passed_on_the_library_s_compiled_path():
+    """HF's SDPA mask check (`torch.all(mask == 1)`) and padding check stop a shape-only trace; the library skips
+    them when compiled, so the capture takes that path by itself (one warning; `program.compiling`, which the
+    backends follow), no flag needed: a user's HF model plans with no extra argument."""
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (2, 8))
     mask = torch.ones_like(ids)
     mask[:, -2:] = 0
     bert = transformers.BertForMaskedLM(transformers.BertConfig(
         num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=128))
-    with pytest.raises(CaptureError, match=r"torch\.all\(mask == 1\).*assume_compiling=True.*attn_implementation"):
-        capture(bert, (ids, mask, ids), _mlm_loss, "adamw")
-    p = capture(bert, (ids, mask, ids), _mlm_loss, "adamw", assume_compiling=True)
-    assert "aten._safe_softmax.default" in p.op_counts()  # SDPA with the mask, in its math form
-    with pytest.raises(CaptureError, match=r"assume_compiling=True \(of capture, search, auto_shard"):
-        partir_torch.search(bert, (ids, mask, ids), "batch=2", loss_fn=_mlm_loss, budget=2)
-    plan = partir_torch.search(bert, (ids, mask, ids), "batch=2", loss_fn=_mlm_loss, budget=2, assume_compiling=True)
-    assert plan.inputs  # the front door takes the way the error names (auto_shard and Lightning pass it on)
+    with pytest.warns(UserWarning, match=r"compiled path .*torch\.all\(mask == 1\)"):
+        p = capture(bert, (ids, mask, ids), _mlm_loss, "adamw")
+    assert p.compiling and "aten._safe_softmax.default" in p.op_counts()  # SDPA with the mask, in its math form
+    same = capture(bert, (ids, mask, ids), _mlm_loss, "adamw", assume_compiling=True)
+    assert same.content_hash() == p.content_hash()
+    with pytest.warns(UserWarning, match="compiled path"):
+        plan = partir_torch.search(bert, (ids, mask, ids), "batch=2", loss_fn=_mlm_loss, budget=2)
+    assert plan.inputs and plan.compiling  # (auto_shard and Lightning apply it on the same path)
+    no_mask = transformers.BertForMaskedLM(bert.config)  # the padding check on input ids alone (no mask given)
+    with pytest.warns(UserWarning, match=r"compiled path .*pad_token_id in input_ids"):
+        capture(no_mask, (ids, ids), lambda m, i, y: m(input_ids=i, labels=y).loss, "adamw")
 
     bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
         encoder_layers=1, decoder_layers=1, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
