@@ -1,6 +1,6 @@
 """Searched plans, applied as `auto_shard` applies them, train like unsharded: several steps on the 8-device
 CPU mesh give the unsharded losses and parameters (fp32, 1e-5 relative to each tensor's largest value)
-for every zoo family on three meshes.
+for every zoo family on three meshes (the U-Net on one).
 
 The plans are searched under a memory limit of half the replicated step, so that they must shard weights.
 SGD with momentum: Adam's first steps divide each gradient by its own magnitude, so a gradient that is zero
@@ -37,8 +37,11 @@ def _searched(name: str, mesh: str, optimizer: str):
     return plan, overrides
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("name", MODELS)
+# every family on every mesh, but the U-Net on one: its three XLA compiles took 157 s of the suite's budget
+CASES = [(n, m) for n in MODELS for m in MESHES if n != "tiny-unet" or m == "batch=2,model=4"]
+
+
+@pytest.mark.parametrize(("name", "mesh"), CASES, ids=[f"{n}-{m}" for n, m in CASES])
 def test_searched_plans_train_like_unsharded(name, mesh):
     from partir_torch.backends.verify import verify_workload
 
