@@ -321,3 +321,34 @@ def test_the_model_s_output_is_constrained_as_the_loss_reads_it():
     assert ShardingPlan.from_json(json.loads(json.dumps(plan.to_json()))).output == plan.output
     state = apply_schedule(capture(Head(), batch, lambda m, t, y: m(t).square().mean(), "sgd"), mesh, tactics)
     assert ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="m").output is None
+
+
+def test_the_table_says_what_each_axis_does_and_shows_inputs_and_optimizer_states():
+    """Roles from the specs, never the names: data parallel, tensor parallel, ZeRO (states split beyond their
+    parameters), FSDP, expert parallel; an axis that splits no compute is warned about."""
+    from partir_torch.plan.table import roles
+    from partir_torch.tactics import Manual
+
+    net, inputs, loss_fn = models.build("tiny-gpt2", {"batch": "8"}, device="meta")
+    program = capture(net, inputs, loss_fn, "adamw")
+    mesh = Mesh.parse("batch=2,model=4")
+
+    def plan_of(schedule):
+        state = apply_schedule(program, mesh, schedule)
+        return ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")))
+
+    expert = plan_of("batch:BatchParallel;model:Megatron;batch:ZeRO(1)")
+    assert roles(expert) == {"batch": ["data parallel", "ZeRO-1/2 (optimizer states)"], "model": ["tensor parallel"]}
+    text = expert.table()
+    assert "inputs: 0 [8, 16] ['batch', None]; 1 [8, 16] ['batch', None]" in text
+    assert "h.*.mlp.c_fc.weight [exp_avg, exp_avg_sq] (x2)  [['model', 'batch'], None]" in text
+    assert "splits no compute" not in text
+    fsdp = plan_of("batch:FSDP")
+    assert roles(fsdp)["batch"] == ["data parallel", "FSDP / ZeRO-3"] and roles(fsdp)["model"] == []
+    assert "warning: axis 'model' splits no compute: its 4 devices each repeat the same work" in fsdp.table()
+
+    moe, moe_inputs, moe_loss = models.build("tiny-moe", {"batch": "8"}, device="meta")
+    state = apply_schedule(capture(moe, moe_inputs, moe_loss, "adamw"), mesh, [
+        Manual({"h.*.moe.w_in": ["model", None, None], "h.*.moe.w_out": ["model", None, None]})])
+    assert roles(ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual"))))["model"][0] == \
+        "expert parallel"

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from partir_torch.capture.fold import full_names
-from partir_torch.cost.hardware import format_bytes
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.sharding import divides, tile_count
@@ -325,29 +323,8 @@ class ShardingPlan:
         return state
 
     def table(self, top: int = 20) -> str:
-        """Sharded parameters, one line each, then the cost: readable in a terminal."""
-        sharded = [(n, s) for n, s in self.params.items() if any(x is not None for x in s)]
-        # repeated layers with one spec collapse to one row: h.*.attn.c_attn.weight (x12)
-        collapsed: dict[tuple[str, str], list[str]] = {}
-        for n, sp in sharded:
-            collapsed.setdefault((re.sub(r"\.\d+\.", ".*.", n), json.dumps(sp)), []).append(n)
-        rows = [(f"{k} (x{len(ns)})" if len(ns) > 1 else ns[0], json.loads(sp)) for (k, sp), ns in collapsed.items()]
-        w = max((len(n) for n, _ in rows[:top]), default=10)
-        lines = [f"mesh {self.mesh}" + (f" (dcn: {', '.join(self.dcn_axes)})" if self.dcn_axes else "")
-                 + (f", schedule {self.schedule}" if self.schedule else "")
-                 + (f", hardware {self.hardware}" if self.hardware else ""),
-                 f"{len(sharded)} of {len(self.params)} parameters sharded:"]
-        lines += [f"  {n:<{w}}  {s}" for n, s in rows[:top]]
-        if len(rows) > top:
-            lines.append(f"  … {len(rows) - top} more")
-        c = self.cost
-        lines.append(f"step {c['step_time_s'] * 1e3:.2f} ms (compute {c['compute_time_s'] * 1e3:.2f}, communication "
-                     f"{c['comm_time_s'] * 1e3:.2f}); peak memory {format_bytes(c['peak_memory_bytes'])} per device "
-                     f"({'fits' if c['feasible'] else 'DOES NOT FIT'} in {format_bytes(c['memory_limit'])})")
-        comm = ", ".join(f"{k} {format_bytes(v)}" for k, v in c["comm_bytes"].items())
-        lines.append("communication per device: " + (comm or "none"))
-        lines += [f"blocked: {b['text']}" for b in self.blocked]
-        if self.cache is not None:
-            lines.append(f"plan from the cache ({self.cache['level']} key {self.cache['key']}, {self.cache['file']}); "
-                         "--no-cache (cache=False) plans again")
-        return "\n".join(lines)
+        """What each mesh axis does, the inputs, the sharded parameters and optimizer states, the cost, what
+        blocks an axis: readable in a terminal (`plan/table.py`)."""
+        from partir_torch.plan.table import table
+
+        return table(self, top)
