@@ -96,7 +96,7 @@ def sharded(model: nn.Module) -> Sharded | None:
     return _SHARDED.get(model)
 
 
-def _require(model: nn.Module) -> Sharded:
+def require(model: nn.Module) -> Sharded:
     rec = _SHARDED.get(model)
     if rec is None:
         raise DistributedError(f"{type(model).__name__} is not sharded by partir_torch on torch.distributed; call "
@@ -151,7 +151,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
             setattr(mod, attr, new)
         opt = _shard_optimizer(optimizer, model, rec)
         _same_generator(rm)
-        local = _inputs(rec, model, opt, None, probe=True)
+        local = rank_inputs(rec, model, opt, None, probe=True)
         gm = trace(rec.program, local)
         rec.graph = _compiled(gm) if compile else gm
         rec.compiled = compile
@@ -246,7 +246,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _inputs(rec: Sharded, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor] | None,
+def rank_inputs(rec: Sharded, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor] | None,
             *, probe: bool = False, local: bool = False) -> list[torch.Tensor]:
     """The rank graph's inputs, in `Program._placeholder_sources` order (with `probe`, the batch as empty
     tensors of its local shapes: for tracing)."""
@@ -288,7 +288,7 @@ def check_batch(program: Program, state: ShardingState, rm: RankMesh, batch: Seq
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tensor, local: bool = False
          ) -> torch.Tensor:
     """One training step of the sharded model (module docstring); returns the loss."""
-    rec = _require(model)
+    rec = require(model)
     if optimizer is not rec.optimizer:
         raise DistributedError("this optimizer is not the one auto_shard returned for this model; pass that one")
     prog = rec.state.program
@@ -300,7 +300,7 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
                                f"({'; '.join(changed[:4])}): the rank program runs them as captured (an LR "
                                "scheduler is not supported on the torch backend yet); keep them fixed, or shard again")
     check_batch(prog, rec.state, rec.rank_mesh, batch, local)
-    flat = _inputs(rec, model, optimizer, batch, local=local)
+    flat = rank_inputs(rec, model, optimizer, batch, local=local)
     with torch.no_grad():
         outs = rec.graph(*flat)
         loss = outs[0] if prog.loss is not None else None
@@ -319,7 +319,7 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
 
 def unshard(model: nn.Module) -> nn.Module:
     """Undo `apply`: the caller's own parameter and buffer objects back, holding the trained (whole) values."""
-    rec = _require(model)
+    rec = require(model)
     if rec.hook is not None:
         rec.hook.remove()
     done: set[int] = set()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from partir_torch.backends.distributed.engine import Sharded, _inputs, check_batch
+from partir_torch.backends.distributed.engine import Sharded, check_batch, rank_inputs
 from partir_torch.lower import lower, summarize
 
 KINDS = {"all_gather_into_tensor": "all-gather", "reduce_scatter_tensor": "reduce-scatter",
@@ -71,7 +71,7 @@ def run_once(rec: Sharded, model, optimizer, batch, *, local: bool = False) -> R
 
     check_batch(rec.state.program, rec.state, rec.rank_mesh, batch, local)
     graph = rec.graph if not rec.compiled else rec.graph._orig_mod
-    flat = [t.clone() for t in _inputs(rec, model, optimizer, batch, local=local)]
+    flat = [t.clone() for t in rank_inputs(rec, model, optimizer, batch, local=local)]
     counter = CountCollectives(axis_of_groups(rec))
     dev = rec.rank_mesh.device
     with torch.no_grad():

@@ -65,19 +65,6 @@ class RankProgram:
     def inputs(self) -> list[int]:
         return self.program._placeholder_ids()
 
-    @property
-    def outputs(self) -> list[int]:
-        p = self.program
-        out = [p.loss] if p.loss is not None else []
-        out += list(p.updates)
-        if self.grads:
-            out += list(p.grads.values())
-        return out
-
-    def local_shapes(self) -> list[tuple[int, ...]]:
-        vals, shard, mesh = self.program.values, self.state.shard, self.state.mesh
-        return [shard[v].local_shape(vals[v].shape, mesh) for v in self.inputs]
-
     # -- resharding ------------------------------------------------------------------------------------
     def walk(self, v: int, src: Sharding, dst: Sharding) -> list[Step]:
         val = self.program.values[v]

@@ -16,7 +16,7 @@ from partir_torch.backends.verify import VerifyReport
 
 
 def verify(model, example_inputs, *, steps: int = 0, local: bool = False) -> VerifyReport:
-    rec = engine._require(model)
+    rec = engine.require(model)
     opt = rec.optimizer
     batch = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     run = measure.run_once(rec, model, opt, batch, local=local)
@@ -47,7 +47,7 @@ def numerics(rec: engine.Sharded, model, optimizer, batch, steps: int, *, local:
     """(losses, unsharded losses, max |difference| of the updated values, relative) over `steps` steps run
     on copies, sharded (the rank graph) and unsharded (`Program.run` on the whole values)."""
     prog, rm = rec.state.program, rec.rank_mesh
-    flat = [t.clone() for t in engine._inputs(rec, model, optimizer, batch, local=local)]
+    flat = [t.clone() for t in engine.rank_inputs(rec, model, optimizer, batch, local=local)]
     ids = prog._placeholder_ids()
     whole = {v: _whole(t, v, rec) for v, t in zip(ids, flat)}
     if local:
