@@ -24,7 +24,7 @@ from partir_torch.cost.hardware import hardware as get_hardware
 from partir_torch.errors import PartirError
 from partir_torch.propagate import ShardingState
 from partir_torch.search.baselines import ALGORITHMS
-from partir_torch.search.budget import Budget, Result
+from partir_torch.search.budget import INTERRUPTED, Budget, Result
 from partir_torch.search.goals import KINDS, Evaluator, check_goal
 from partir_torch.search.mcts import MCTS
 from partir_torch.search.seeds import composites
@@ -134,6 +134,8 @@ class Auto:
                                "chosen": taken, "from": mode, "actions": [str(a) for a in res.actions],
                                **res.stats.to_json()})
             config.trace.append(list(res.actions))
+            if INTERRUPTED.is_set():  # Ctrl-C: the best plan seen, fitting when one was (an expert composite
+                best = self._best_seen(state, best, experts, ev, config)  # fits where a cut-short search did not)
             return best
         groups = [axes] if self.mode == "joint" else [(a,) for a in axes]
         budget = config.budget.split(len(groups))
@@ -149,6 +151,25 @@ class Auto:
             config.trace.append(list(res.actions))
             state = res.state.copy()  # the next axis continues from the best plan
         return state
+
+    def _best_seen(self, state: ShardingState, best: ShardingState, experts: list[list], ev: Evaluator,
+                   config: SearchConfig) -> ShardingState:
+        """`best`, or the expert composite (replayed from `state`) that scores better: after Ctrl-C the search's
+        own plan may be one of its first phase's, made under that phase's relaxed memory limit."""
+        key, chosen = ev.key(ev.report(best)), None
+        for actions in experts:
+            s = replay(state, actions)
+            if s is not None and (k := ev.key(ev.report(s))) < key:
+                best, key, chosen = s.copy(), k, actions
+        config.log[-1]["interrupted"] = True
+        if chosen is not None:
+            for e in config.log:
+                e["chosen"] = False
+            config.log.append({"axes": list(self.free_axes(state)), "goal": self.goal, "algorithm": "expert",
+                               "mode": "expert", "chosen": True, "actions": [str(a) for a in chosen], "episodes": 0,
+                               "states": 1, "evaluations": 1, "time_s": 0.0, "propagation_time_s": 0.0,
+                               "cost_time_s": 0.0})
+        return best
 
     def _composites(self, state: ShardingState, axes: tuple[str, ...], config: SearchConfig, ev: Evaluator
                     ) -> list[list]:
@@ -282,6 +303,8 @@ def summarize_log(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
     out: dict[str, Any] = {k: sum(e[k] for e in entries) for k in keys}
     out["evaluations_per_s"] = out["evaluations"] / out["time_s"] if out["time_s"] else 0.0
     out["algorithm"] = entries[0]["algorithm"]
+    if any(e.get("interrupted") for e in entries):
+        out["interrupted"] = True
     out["per_axis"] = entries
     return out
 
@@ -289,6 +312,12 @@ def summarize_log(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
 def infeasible_message(plan, mesh) -> str:
     c = plan.cost
     best = plan.search and [e["actions"] for e in plan.search["per_axis"] if e.get("chosen", True)]
+    if plan.search and plan.search.get("interrupted"):
+        s = plan.search
+        return (f"the search was interrupted (Ctrl-C) after {s['episodes']} episodes in {s['time_s']:.1f} s and saw no "
+                f"plan that fits in {format_bytes(c['memory_limit'])} per device (the best seen needs "
+                f"{format_bytes(c['peak_memory_bytes'])}; neither did the expert plans): let it run longer, or give "
+                "a number of episodes (--budget 200, the default, runs to the end however long it takes)")
     return (f"no plan found fits in memory: the best one needs {format_bytes(c['peak_memory_bytes'])} per device, "
             f"the limit is {format_bytes(c['memory_limit'])} (mesh {mesh}; best plan: {best}). "
             "To fit: use more devices or a bigger mesh axis, add an axis to shard the model over, lower the batch "

@@ -249,3 +249,27 @@ def test_three_and_four_axis_meshes_plan_at_least_as_well_as_the_expert_composit
     assert got.feasible and got.step_time_s <= ref.step_time_s
     heavy = _heavy_bytes(state)
     assert all(heavy[a] <= 0.01 * max(heavy.values()) for a in slow), heavy
+
+
+def test_ctrl_c_returns_the_best_fitting_plan_seen_or_says_none_was(monkeypatch):
+    """Ctrl-C early in a time-budgeted search (here: at its first tree search) stops it in its first phase,
+    whose plan is made under a relaxed memory limit; the plan returned is the best seen that fits (an expert
+    composite here), and when nothing seen fits, the error says the search was interrupted."""
+    from partir_torch.search import mcts
+    from partir_torch.search.api import InfeasibleError, search
+    from partir_torch.tactics import INTERRUPTED
+
+    run = mcts.MCTS.run
+
+    def interrupted(self, *args, **kwargs):
+        INTERRUPTED.set()  # as the Ctrl-C handler does
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(mcts.MCTS, "run", interrupted)
+    net, inputs, loss_fn = models.build("tiny-gpt2", {"batch": "8"}, device="meta")
+    with pytest.warns(UserWarning, match="interrupted"):
+        plan = search(net, inputs, "batch=2,model=4", loss_fn=loss_fn, budget="60s", memory="260KiB", cache=False)
+    assert plan.cost["feasible"] and plan.search["interrupted"]
+    assert [e["mode"] for e in plan.search["per_axis"] if e["chosen"]] == ["expert"]
+    with pytest.raises(InfeasibleError, match=r"interrupted \(Ctrl-C\) after .* saw no plan that fits in 10\.0 KiB"):
+        search(net, inputs, "batch=2,model=4", loss_fn=loss_fn, budget="60s", memory="10KiB", cache=False)
