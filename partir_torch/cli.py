@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from partir_torch.errors import PartirError
 
+# capture.optim.CLASSES' names, here so the parser needs no torch import (a cached repeat is sub-second)
+OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "adagrad", "adafactor", "nadam", "radam", "adamax")
+
 if TYPE_CHECKING:
     from partir_torch.plan import ShardingPlan
 
@@ -122,7 +125,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     import partir_torch.search  # noqa: F401  (the search's actions and Auto, read from a plan's decisions)
     from partir_torch import workload
-    from partir_torch.capture import capture
+    from partir_torch.capture import capture, optimizer_spec
     from partir_torch.ir import Mesh
     from partir_torch.lower import summarize
     from partir_torch.plan import ShardingPlan, specs
@@ -153,14 +156,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         state = apply_schedule(program, mesh, args.schedule, fallback=args.fallback, search=config)
     params = {n: p.detach() for n, p in model.named_parameters()}
     g = torch.Generator().manual_seed(args.seed)
-    states = {}
-    for n, p in params.items():
-        # optimizer states in the parameter's dtype (what torch.optim keeps; a bf16 model has bf16 states)
-        if args.optimizer == "sgd":
-            states[n] = {"momentum_buffer": (torch.randn(p.shape, generator=g) * 0.01).to(p.dtype)}
-        else:
-            states[n] = {"exp_avg": (torch.randn(p.shape, generator=g) * 0.01).to(p.dtype),
-                         "exp_avg_sq": (torch.rand(p.shape, generator=g) * 0.01).to(p.dtype), "step": torch.tensor(3.0)}
+    # optimizer states in the parameter's dtype (what torch.optim keeps; a bf16 model has bf16 states)
+    spec = optimizer_spec(args.optimizer, dict(model.named_parameters()))
+    states = {n: spec.example_states(n, p, g) for n, p in params.items() if n in spec.hparams}
     program = state.program  # ops without rules may have been decomposed
     res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
     groups = {"loss": [], "gradients": [], "parameters": [], "optimizer_state": [], "buffers": []}
@@ -401,7 +399,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in model.parameters())
     print(f"{args.model}: {params / 1e6:.2f}M parameters, step inputs {[list(x.shape) for x in inputs]}, "
           f"mesh {mesh}" + (f", memory limit {args.memory}" if args.memory else ""))
-    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[args.optimizer]
+    from partir_torch.capture.optim import CLASSES
+
+    cls = CLASSES[args.optimizer]
     optimizer = cls(model.parameters(), lr=args.lr, **({"momentum": 0.9} if args.optimizer == "sgd" else {}))
     t0 = time.perf_counter()
     model, opt = partir_torch.auto_shard(model, inputs, args.mesh, loss_fn=loss_fn, optimizer=optimizer,
@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("capture", help="capture a model's training step and summarize the program")
     c.add_argument("model", help="zoo name (e.g. gpt2-small; see `partir-torch models`) or path/to/file.py:factory")
     c.add_argument("--config", action="append", metavar="KEY=VALUE", help="override a model config field")
-    c.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    c.add_argument("--optimizer", default="adamw", choices=[*OPTIMIZERS, "none"])
     c.add_argument("--inference", action="store_true", help="capture the forward pass only")
     c.add_argument("--json", action="store_true", help="print one JSON object")
     c.add_argument("--top", type=int, default=15, help="rows of the op table")
@@ -449,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv = sub.add_parser("coverage", help="every aten op of the training step and the rule that covers it")
     cv.add_argument("model")
     cv.add_argument("--config", action="append", metavar="KEY=VALUE")
-    cv.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    cv.add_argument("--optimizer", default="adamw", choices=[*OPTIMIZERS, "none"])
     cv.add_argument("--inference", action="store_true", help="the forward pass only")
     cv.add_argument("--no-fold", action="store_true", help="capture every repeated layer (as plan --no-fold)")
     cv.add_argument("--fallback", action="store_true",
@@ -466,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--plan", metavar="FILE", help="simulate a saved plan (plan --out FILE) instead of a schedule")
     sm.add_argument("--budget", help="search budget of the schedule's Auto tactics: seconds (30s) or episodes (500); "
                                      "default: a fixed number of episodes")
-    sm.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    sm.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     sm.add_argument("--seed", type=int, default=0)
     sm.add_argument("--fallback", action="store_true", help=_FALLBACK_HELP)
     sm.add_argument("--json", action="store_true")
@@ -486,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--algorithm", default="mcts", choices=["mcts", "random", "greedy", "beam", "exhaustive"])
     pl.add_argument("--no-fold", action="store_true", help="capture every repeated layer (slower; same costs)")
     pl.add_argument("--fallback", action="store_true", help=_FALLBACK_HELP)
-    pl.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    pl.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     pl.add_argument("--out", help="write the plan JSON here")
     pl.add_argument("--json", action="store_true", help="print the plan JSON")
     pl.add_argument("--explain", action="store_true",
@@ -512,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--plan", help="apply this saved plan instead of searching")
     tr.add_argument("--out", help="save the plan here")
-    tr.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
+    tr.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--steps", type=int, default=5)
     tr.add_argument("--verify", action="store_true", help="compile the step with the HLO dump and compare")

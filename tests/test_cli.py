@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from partir_torch import cli
 from partir_torch.cli import main
 
 FACTORY = '''
@@ -140,3 +141,9 @@ def test_simulate_a_saved_plan_replays_its_decisions(tmp_path, capsys):
     assert main(["simulate", "tiny-gpt2", "--config", "batch=8", "--plan", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["max_abs_diff"] <= 1e-5 and out["params"] == plan.params
+
+
+def test_the_cli_offers_every_optimizer_capture_traces():
+    from partir_torch.capture.optim import CLASSES
+
+    assert sorted(CLASSES) == sorted(cli.OPTIMIZERS)

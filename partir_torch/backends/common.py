@@ -23,15 +23,19 @@ def slots(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
 
 
 def initial_states(opt: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor, dev) -> dict[str, torch.Tensor]:
-    """The states torch.optim creates at the first step, created now (so they can be sharded first); the
-    same values torch would start from (SGD's buffer is the first gradient: zero momentum gives it too)."""
-    if isinstance(opt, torch.optim.SGD):
-        return {"momentum_buffer": torch.zeros_like(p)} if group.get("momentum", 0) else {}
-    st = {"step": torch.zeros((), dtype=torch.float32, device=dev), "exp_avg": torch.zeros_like(p),
-          "exp_avg_sq": torch.zeros_like(p)}
-    if group.get("amsgrad"):
-        st["max_exp_avg_sq"] = torch.zeros_like(p)
-    return st
+    """The states torch.optim creates at the first step, created now (so they can be sharded first), named and
+    shaped as capture's `OptimizerSpec` says; the values torch would start from (zeros, Adagrad's
+    `initial_accumulator_value`, NAdam's momentum product 1; SGD's buffer is the first gradient: zero momentum
+    gives it too)."""
+    from partir_torch.capture.optim import CLASSES, optimizer_spec
+
+    base = next(c for c in type(opt).__mro__ if c in CLASSES.values())  # (the backends' rebuilt subclasses)
+    spec = optimizer_spec(base([{**group, "params": [p]}]), {"p": p})
+    shared = {s: torch.tensor(1.0 if s == "mu_product" else 0.0, dtype=torch.float32, device=dev)
+              for s in spec.shared_states}
+    fill = group.get("initial_accumulator_value", 0.0)
+    return {**shared, **{s: torch.full(shape, fill if s == "sum" else 0.0, dtype=p.dtype, device=p.device)
+                         for s, shape in spec.state_shapes("p", tuple(p.shape)).items()}}
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, torch.Tensor],

@@ -128,7 +128,8 @@ def capture(
     trainable = [n for n, p in params.items() if p.requires_grad] if mode == "train" else []
     spec = optimizer_spec(optimizer, params, strict=_strict) if mode == "train" else None
     updated = [n for n in trainable if spec is not None and n in spec.hparams]
-    states = {n: spec.state_names(n) for n in updated} if spec else {}
+    shapes = {n: spec.state_shapes(n, tuple(params[n].shape)) for n in updated} if spec else {}
+    states = {n: tuple(shapes[n]) for n in updated}
     shared = spec.shared_states if spec and updated else ()
 
     # Flat argument list: params, buffers, optimizer states, inputs (this order is Program.run's too).
@@ -137,7 +138,7 @@ def capture(
     flat_meta += [((), torch.float32) for _ in shared]
     for n in updated:
         p = params[n]
-        flat_meta += [(tuple(p.shape), p.dtype) for _ in states[n]]
+        flat_meta += [(shapes[n][s], p.dtype) for s in states[n]]
     flat_meta += [(tuple(x.shape), x.dtype) for x in inputs]
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # tensor constants in the model become graph constants
     with fake_mode:

@@ -52,16 +52,18 @@ def replicated_peak(model, inputs, loss_fn, mesh) -> int:
     return evaluate(ShardingState(program, Mesh.parse(mesh)), hardware("cpu-virtual")).peak_memory_bytes
 
 
-def train_case(rank, world, name, mesh, schedule, compile=False, fp64=True, memory=None, steps=3):
+def train_case(rank, world, name, mesh, schedule, compile=False, fp64=True, memory=None, steps=3, optimizer="adamw"):
     """Shard `name` under `schedule` (None: searched under `memory` x the replicated plan's memory), measure one
-    step, train `steps` AdamW steps beside the unsharded eager model from the same start; each rank's figures."""
+    step, train `steps` steps of `optimizer` (a torch.optim class by capture's name, lr 1e-2) beside the
+    unsharded eager model from the same start; each rank's figures."""
     import partir_torch
     from partir_torch.backends.distributed import engine, measure
+    from partir_torch.capture.optim import CLASSES
 
     model, inputs, loss_fn = build(name, fp64)
     ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = CLASSES[optimizer](model.parameters(), lr=1e-2)
+    ref_opt = CLASSES[optimizer](ref.parameters(), lr=1e-2)
     limit = None if memory is None else memory * replicated_peak(model, inputs, loss_fn, mesh)
     model, opt = partir_torch.auto_shard(model, inputs, mesh, loss_fn=loss_fn, optimizer=opt, schedule=schedule,
                                          memory=limit, budget=30, backend="torch", compile=compile, cache=False)
@@ -126,6 +128,15 @@ def test_searched_plans_under_a_memory_limit_run_as_predicted_and_train_as_unsha
     results = four.run(train_case, name, "batch=2,model=2", None, False, True, fraction)
     check(results)
     assert results[0]["sharded"] and "model" in results[0]["axes"], results[0]
+
+
+@pytest.mark.parametrize("optimizer", ["rmsprop", "adagrad", "adafactor", "nadam", "radam", "adamax"])
+def test_every_optimizer_s_states_are_sharded_and_train_as_torch_optim(two, optimizer):
+    """FSDP shards each optimizer's states with its parameters (Adafactor's factored row / column moments
+    too); three steps equal torch.optim's on the unsharded model, and the collectives are as predicted."""
+    results = two.run(train_case, "tiny-gpt2", "batch=2", EXPERTS["2"], False, True, None, 3, optimizer)
+    check(results)
+    assert results[0]["axes"] == ["batch"], results[0]
 
 
 def compiled_case(rank, world, name):

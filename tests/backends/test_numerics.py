@@ -37,8 +37,10 @@ def _searched(name: str, mesh: str, optimizer: str):
     return plan, overrides
 
 
-# every family on every mesh, but the U-Net on one: its three XLA compiles took 157 s of the suite's budget
-CASES = [(n, m) for n in MODELS for m in MESHES if n != "tiny-unet" or m == "batch=2,model=4"]
+# every mesh by four families, every family on the 2-axis mesh (the suite's time: the U-Net's XLA compiles alone
+# took 157 s on three meshes; the torch backend runs every family's plans too, tests/backends/test_distributed.py)
+ONE_MESH = {"tiny-unet": ["batch=2,model=4"], "tiny-moe": ["batch=2,model=4"], "tiny-gns": ["batch=2,model=4"]}
+CASES = [(n, m) for n in MODELS for m in ONE_MESH.get(n, MESHES)]
 
 
 @pytest.mark.parametrize(("name", "mesh"), CASES, ids=[f"{n}-{m}" for n, m in CASES])
@@ -51,7 +53,7 @@ def test_searched_plans_train_like_unsharded(name, mesh):
     assert report.max_rel_diff <= 1e-5, (report.max_abs_diff, report.max_rel_diff)
 
 
-@pytest.mark.parametrize("name", ["tiny-mlp", "tiny-gns"])
+@pytest.mark.parametrize("name", ["tiny-mlp"])
 def test_adamw_plans_train_like_unsharded(name):
     from partir_torch.backends.verify import verify_workload
 

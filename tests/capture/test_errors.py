@@ -70,12 +70,14 @@ def test_wrong_input_shape_shows_expected_and_given(tiny):
     ("make", "match"),
     [
         (lambda ps: torch.optim.Adam(ps, differentiable=True), r"'differentiable=True'"),
-        (lambda ps: torch.optim.RMSprop(ps), r"RMSprop is not supported.*SGD, Adam and AdamW"),
+        (lambda ps: torch.optim.LBFGS(ps), r"LBFGS is not supported.*torch.optim.SGD.*Adafactor.*Adamax"),
+        (lambda ps: torch.optim.NAdam([{"params": ps[:2], "momentum_decay": 0.01}, {"params": ps[2:]}]),
+         r"NAdam's param groups differ in betas, momentum_decay"),
     ],
 )
 def test_unsupported_optimizer_names_the_option(tiny, make, match):
     model, inputs, loss_fn = tiny
-    opt = make(model.parameters())
+    opt = make(list(model.parameters()))
     snap = _snapshot(model, opt)
     with pytest.raises(UnsupportedOptimizerError, match=match):
         capture(model, inputs, loss_fn, opt)

@@ -308,11 +308,11 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
         for (_new, old), t in zip(prog.updates.items(), outs[1 if loss is not None else 0:]):
             if t is not where[old] and t.data_ptr() != where[old].data_ptr():  # (donated: written in place)
                 where[old].copy_(t)
-        shared = [where[v] for v in prog.shared_states.values()]
-        if shared:  # torch.optim keeps a step counter per parameter: all hold the program's one
+        # torch.optim keeps a step counter (NAdam a momentum product) per parameter: all hold the program's one
+        for s, v in prog.shared_states.items():
             for st in optimizer.state.values():
-                if "step" in st and st["step"] is not shared[0]:
-                    st["step"].copy_(shared[0])
+                if s in st and st[s] is not where[v]:
+                    st[s].copy_(where[v])
     rec.steps += 1
     return loss.detach() if loss is not None else None
 
