@@ -130,7 +130,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from partir_torch.lower import summarize
     from partir_torch.plan import ShardingPlan, specs
     from partir_torch.search import Budget, SearchConfig
-    from partir_torch.simulate import simulate
+    from partir_torch.simulate import TOLERANCE, simulate, simulate_fp64
     from partir_torch.tactics import apply_schedule
 
     Budget.parse(args.budget)  # a bad budget is reported before the capture
@@ -168,8 +168,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                "parameters" if name.removeprefix("updated[").removesuffix("]") in program.params else "buffers")
         groups[key].append(d)
     by_kind = {k: max(v) for k, v in groups.items() if v}
+    fp64 = None  # where fp32 rounding exceeds the tolerance: the same plan on the step captured in fp64
+    if res.max_rel_diff > TOLERANCE or res.replica_mismatch > TOLERANCE:
+        fp64 = simulate_fp64(state, model, inputs, loss_fn, args.optimizer, states, seed=args.seed,
+                             assume_compiling=args.assume_compiling, fallback=args.fallback)
+    exact = (res.max_rel_diff <= TOLERANCE and res.replica_mismatch <= TOLERANCE) or (fp64 is not None and fp64 <= 1e-9)
     out = {
-        "model": args.model, "mesh": dict(mesh.axes), "schedule": args.schedule,
+        "model": args.model, "mesh": dict(mesh.axes), "schedule": args.schedule, "exact": exact,
+        "max_rel_diff": res.max_rel_diff, "fp64_rel_diff": fp64, "tolerance": TOLERANCE,
         "max_abs_diff": res.max_abs_diff, "max_abs_diff_by_kind": by_kind, "replica_mismatch": res.replica_mismatch,
         "conflicts": [c.describe(program) for c in state.conflicts],
         "collectives": [c.to_json(state) for c in res.collectives],
@@ -185,7 +191,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     con = Console(width=120)
     con.print(f"[bold]{args.model}[/] on {mesh} with {args.schedule}: max |sharded - unsharded| = "
-              f"{res.max_abs_diff:.3g} (" + ", ".join(f"{k} {v:.2g}" for k, v in by_kind.items()) + ")")
+              f"{res.max_abs_diff:.3g} (" + ", ".join(f"{k} {v:.2g}" for k, v in by_kind.items()) + "), relative "
+              f"{res.max_rel_diff:.2g}" + ("" if fp64 is None else f"; in fp64 {fp64:.2g}") +
+              (" [green]exact[/]" if exact else " [red]NOT the unsharded step[/]"))
     t = Table(title="collectives (bytes per device)")
     for c in ("kind", "axis", "count", "bytes"):
         t.add_column(c)
@@ -220,6 +228,15 @@ def parse_mesh(text: str):
 def _is_factory(model: str) -> bool:
     """MODEL is `file.py:factory` (user code), not a zoo name."""
     return ":" in model and model.rsplit(":", 1)[0].endswith(".py")
+
+
+def _workload_record(args: argparse.Namespace) -> dict[str, Any]:
+    """What the plan was made for, as `verify` reloads it from any directory."""
+    model = args.model
+    if _is_factory(model):
+        path, fn = model.rsplit(":", 1)
+        model = f"{os.path.abspath(path)}:{fn}"
+    return {"model": model, "config": list(args.config or [])}
 
 
 def _request_key(args: argparse.Namespace) -> str:
@@ -323,6 +340,7 @@ def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
     options = {"fold": not args.no_fold, "mode": None}
     plan, state = plan_program(program, mesh, tactics, config, schedule=args.schedule, fallback=fallback,
                                cache=not args.no_cache, options=options, need_state=args.explain)
+    plan.workload = _workload_record(args)
     text = _report(plan)
     error = infeasible_message(plan, mesh) if plan.search and not plan.cost["feasible"] else None
     if request is not None:
@@ -368,11 +386,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from partir_torch.backends.verify import verify_workload
     from partir_torch.plan import ShardingPlan
 
-    plan = ShardingPlan.load(args.plan)
-    overrides = workload.parse_overrides(args.config)
-    model, inputs, _ = workload.load(args.model, overrides)
+    if len(args.targets) > 2:
+        raise PartirError(f"verify takes [MODEL] PLAN, got {len(args.targets)} arguments: {args.targets}")
+    plan = ShardingPlan.load(args.targets[-1])
+    name, config = (args.targets[0], args.config) if len(args.targets) == 2 else (None, args.config)
+    if name is None:
+        if plan.workload is None:
+            raise PartirError(f"{args.targets[-1]} does not record its model (it was saved from Python, not by "
+                              "`partir-torch plan`); name it: partir-torch verify MODEL PLAN [--config KEY=VALUE]")
+        name, config = plan.workload["model"], config or plan.workload.get("config")
+    overrides = workload.parse_overrides(config)
+    model, inputs, _ = workload.load(name, overrides)
     plan.check(model, inputs)  # names, shapes and divisibility before a worker is started
-    report = verify_workload(plan, args.model, overrides, steps=args.steps, numerics=args.numerics)
+    report = verify_workload(plan, name, overrides, steps=args.steps, numerics=args.numerics)
     if args.json:
         json.dump(report.to_json(), sys.stdout)
         sys.stdout.write("\n")
@@ -521,8 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     vf = sub.add_parser("verify", help="compile a saved plan's step with torch_xla and compare XLA's collectives "
                                        "and memory with the prediction")
-    vf.add_argument("model")
-    vf.add_argument("plan", help="a plan saved with `plan --out` or plan.save()")
+    vf.add_argument("targets", nargs="+", metavar="[MODEL] PLAN",
+                    help="a plan saved with `plan --out` (it records its MODEL and --config) or plan.save() (name "
+                         "the MODEL before it)")
     vf.add_argument("--config", action="append", metavar="KEY=VALUE")
     vf.add_argument("--steps", type=int, default=1, help="training steps to run")
     vf.add_argument("--numerics", action="store_true", help="also run unsharded and report max |difference|")

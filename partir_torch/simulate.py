@@ -296,3 +296,30 @@ def _local_groups(state: ShardingState, o: int, w: int, groups: int) -> int:
     depthwise one's, `rules/conv`)."""
     full = state.program.values[state.rules[o].operands[w].value].shape
     return groups * required_operand(state, o, w).local_shape(full, state.mesh)[0] // full[0]
+
+
+TOLERANCE = 1e-5  # max relative difference, fp32, sharded vs unsharded, that is read as exact
+
+
+def simulate_fp64(state, model, inputs: Sequence[torch.Tensor], loss_fn, optimizer, opt_states, *,
+                  seed: int = 0, **capture_options: Any) -> float | None:
+    """The plan of `state` simulated on the same step captured in fp64: its max relative difference (where
+    fp32 rounding alone exceeds `TOLERANCE`, e.g. BatchNorm over a few elements, this tells rounding from a
+    wrong plan). The state's decisions are replayed on the fp64 program; None if they shard it otherwise."""
+    import copy
+
+    from partir_torch.capture import capture
+    from partir_torch.tactics.schedule import replay
+
+    m64 = copy.deepcopy(model).double()
+    in64 = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    p64 = capture(m64, in64, loss_fn, optimizer, **capture_options)
+    st64 = replay(p64, state.mesh, list(state.actions), fallback=state.analysis.fallback)
+    same = [(n, st64.shard[v]) for n, v in st64.program.params.items()]
+    if same != [(n, state.shard[v]) for n, v in state.program.params.items()]:
+        return None
+    shared = set(p64.shared_states)
+    states = {n: {k: v if k in shared else v.double() for k, v in st.items()} for n, st in opt_states.items()}
+    torch.manual_seed(seed)
+    return simulate(st64.program, st64, {n: q.detach() for n, q in m64.named_parameters()},
+                    dict(m64.named_buffers()), in64, states).max_rel_diff

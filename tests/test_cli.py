@@ -67,6 +67,21 @@ def test_simulate_json(capsys):
     kinds = {(c["kind"], c["axis"]) for c in out["collectives"]}
     assert ("all-reduce", "batch") in kinds and ("all-reduce", "model") in kinds
     assert out["params"]["layers.0.fc1.weight"] == ["model", None]
+    assert out["exact"] and out["max_rel_diff"] <= out["tolerance"] and out["fp64_rel_diff"] is None
+
+
+@pytest.mark.thirdparty
+def test_simulate_tells_fp32_rounding_from_a_wrong_plan_by_the_fp64_step(tmp_path, capsys):
+    """torchvision's MobileNetV3 (BatchNorm over 2 x 2 elements per channel and device): fp32 lands 3e-5 from
+    unsharded, above the tolerance; the same plan on the step captured in fp64 is exact."""
+    (tmp_path / "tv.py").write_text("from partir_torch.models import thirdparty\n"
+                                    "def make():\n    return thirdparty.build('tv-mobilenet_v3_small')\n")
+    argv = ["simulate", f"{tmp_path / 'tv.py'}:make", "--mesh", "batch=2,model=2", "--schedule",
+            "batch:BatchParallel;model:Megatron", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_rel_diff"] > out["tolerance"], out["max_rel_diff"]
+    assert out["fp64_rel_diff"] is not None and out["fp64_rel_diff"] <= 1e-9 and out["exact"], out
 
 
 def test_simulate_bad_schedule_is_named(capsys):

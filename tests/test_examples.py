@@ -14,16 +14,22 @@ needs_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, re
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-def _run(*args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_USE_SPMD")}
+def _run(*args: str, stderr: list[str] | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_USE_SPMD",
+                                                            "TF_CPP_MIN_LOG_LEVEL")}
     res = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(res.stderr)
     return res.stdout
 
 
 @needs_xla
 def test_quickstart_shards_the_weights_and_trains():
-    out = _run(str(EXAMPLES / "quickstart.py"), "--tiny")
+    """... and says once that XLA's GSPMD is deprecated, instead of XLA's line at every compile."""
+    err: list[str] = []
+    out = _run(str(EXAMPLES / "quickstart.py"), "--tiny", stderr=err)
+    assert err[0].count("GSPMD partitioner") == 1 and "sharding_propagation.cc" not in err[0], err[0][-2000:]
     table = out.split("step 0")[0]
     assert "parameters sharded:" in table and "'model'" in table  # weights tiled over the model axis
     losses = [float(line.split("loss ")[1]) for line in out.splitlines() if line.startswith("step ") and "loss" in line]

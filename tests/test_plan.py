@@ -50,6 +50,9 @@ def test_plan_cli_json_and_memory_override(capsys):
         (["plan", "tiny-mlp", "--mesh", "batch=8", "--hardware", "tpu-v9"], "presets: tpu-v4"),
         (["plan", "tiny-mlp", "--mesh", "batch=8", "--memory", "lots"], "16GiB"),
         (["plan", "tiny-mlp", "--mesh", "batch=8:fast"], ":dcn"),
+        (["plan", "tiny-mlp", "--mesh", "batch:2,model:4"], "write 'batch=2'"),
+        (["plan", "tiny-mlp", "--mesh", "bacth=2,model=4", "--schedule", "batch:BatchParallel"],
+         "is the mesh's 'bacth' a typo of 'batch'?"),
     ],
 )
 def test_plan_cli_errors(argv, match, capsys):

@@ -157,6 +157,10 @@ def start_runtime(devices: int) -> str | None:
             os.environ["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER}".strip()
             notes.append(f"XLA CPU compiles with its memory-aware scheduler, as the plan's memory assumes "
                          f"({MEMORY_SCHEDULER})")
+    if not started and os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") >= "2":
+        notes.append("XLA's GSPMD partitioner, which torch_xla SPMD compiles with, is deprecated upstream (Shardy "
+                     "replaces it); XLA's warning of it on every compile is silenced (TF_CPP_MIN_LOG_LEVEL=2). The "
+                     "torch backend (backend='torch') does not use it")
     note = "partir_torch: " + "; ".join(notes) if notes else None
     if not xr.is_spmd():
         xr.use_spmd()

@@ -96,6 +96,9 @@ def parse_mesh(spec: Mesh | Mapping[str, int] | str) -> tuple[Mesh, frozenset[st
     for part in spec.split(","):
         name, _, flag = part.partition(":")
         if flag:
+            if flag.strip().isdigit():
+                raise MeshError(f"mesh axis {part.strip()!r}: an axis's size follows '=', not ':'; write "
+                                f"'{name.strip()}={flag.strip()}' (':dcn' after the size marks a cross-node axis)")
             if flag.strip().lower() not in ("dcn", "ib"):
                 raise MeshError(f"mesh axis flag {flag!r} in {part!r}; the only flag is :dcn (slow, cross-node axis)")
             dcn.add(name.split("=")[0].strip())

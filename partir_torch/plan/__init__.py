@@ -184,6 +184,9 @@ class ShardingPlan:
     # the state's decisions in order (`tactics.schedule.decision_text`): replayed, they rebuild it exactly
     decisions: list[str] = field(default_factory=list)
     state_hash: str | None = None  # `ShardingState.digest()` of that state (a replay is checked against it)
+    # what the CLI built the program from ({"model": zoo name or /abs/file.py:factory, "config": [KEY=VALUE]}),
+    # so `partir-torch verify plan.json` needs no MODEL; None for a plan made in Python
+    workload: dict[str, Any] | None = None
 
     @classmethod
     def from_state(cls, state: ShardingState, cost, *, schedule: str | None = None, hardware: str | None = None,
@@ -220,6 +223,8 @@ class ShardingPlan:
                "decisions": self.decisions, "state_hash": self.state_hash}
         if self.compiling:
             out["compiling"] = True
+        if self.workload is not None:
+            out["workload"] = self.workload
         if self.search is not None:
             out["search"] = self.search
         if self.cache is not None:
@@ -241,7 +246,8 @@ class ShardingPlan:
                    d.get("grads_made", {}), d.get("read_grads", {}), d.get("shapes", {}),
                    d.get("input_args", []),
                    d.get("optimizer"), d.get("program_hash"), d.get("blocked", []), d.get("cache"),
-                   bool(d.get("compiling", False)), list(d.get("decisions", [])), d.get("state_hash"))
+                   bool(d.get("compiling", False)), list(d.get("decisions", [])), d.get("state_hash"),
+                   d.get("workload"))
 
     def save(self, path: str | os.PathLike) -> None:
         """The plan as JSON (`ShardingPlan.load` reads it back)."""

@@ -15,6 +15,7 @@ costed on (`plan.ShardingPlan.to_state`).
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import threading
@@ -101,8 +102,11 @@ def parse_schedule(text: str, mesh: Mesh) -> list[Tactic]:
         if names != ["*"]:
             for a in names:
                 if a not in mesh.names:
+                    near = difflib.get_close_matches(a, list(mesh.names), n=1, cutoff=0.6)
+                    hint = (f"; is the mesh's {near[0]!r} a typo of {a!r}? Name the axis the same in both"
+                            if near else "")
                     raise ScheduleError(f"schedule entry {part!r} names axis {a!r}; the mesh has axes "
-                                        f"{list(mesh.names)}")
+                                        f"{list(mesh.names)}{hint}")
         make = _REGISTRY.get(name.lower())
         if make is None:
             raise ScheduleError(

@@ -72,10 +72,33 @@ def test_cli_verify_reports_predicted_measured_and_what_the_plan_did_not_predict
     measured = {c["kind"] for c in j["measured"]["collectives"]}
     flagged = {u["kind"] for u in j["unexpected_collectives"]} | {u["kind"] for u in j["known_deviations"]}
     assert measured - set(j["predicted"]["comm_bytes"]) <= flagged  # every kind the plan lacks is reported
-    with pytest.raises(SystemExit):
-        main(["verify", "tiny-gpt2"])
+    assert main(["verify", "tiny-gpt2"]) == 2  # a plan made in Python records no model: it must be named
+    assert "cannot read a plan from 'tiny-gpt2'" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "plan.json")]) == 2
+    assert "does not record its model" in capsys.readouterr().err
     assert main(["verify", "tiny-mlp", str(tmp_path / "plan.json")]) == 2
     assert "parameters in the plan but not in the model" in capsys.readouterr().err
+
+
+def test_cli_verify_of_a_plan_file_alone_rebuilds_the_model_it_records(tmp_path, capsys, monkeypatch):
+    """`plan --out` records MODEL and --config (a factory file by its absolute path), so `verify plan.json`
+    needs nothing else, from another directory too."""
+    (tmp_path / "mine.py").write_text(
+        "import torch, torch.nn as nn\n"
+        "def make(width=16):\n"
+        "    torch.manual_seed(0)\n"
+        "    net = nn.Sequential(nn.Linear(8, int(width)), nn.ReLU(), nn.Linear(int(width), 4))\n"
+        "    return net, (torch.randn(8, 8), torch.randn(8, 4)), lambda m, x, y: ((m(x) - y) ** 2).mean()\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "mine.py:make", "--config", "width=32", "--mesh", "batch=2,model=4", "--budget", "8",
+                 "--no-cache", "--out", "plan.json", "--json"]) == 0
+    capsys.readouterr()
+    recorded = json.loads((tmp_path / "plan.json").read_text())["workload"]
+    assert recorded == {"model": f"{tmp_path / 'mine.py'}:make", "config": ["width=32"]}
+    monkeypatch.chdir("/")
+    assert main(["verify", str(tmp_path / "plan.json"), "--json"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["predicted"]["peak_memory_bytes"] > 0 and j["measured"]["peak_memory_bytes"] > 0
 
 
 class Concat(nn.Module):
