@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 def plan_for(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
              loss_fn: Callable[..., torch.Tensor], optimizer, schedule=None, hardware=None, memory=None,
              budget=None, seed: int = 0, plan: ShardingPlan | str | os.PathLike | None = None,
-             progress: bool = False, fallback: bool = False, cache: bool = True,
+             progress: bool | str | None = None, fallback: bool = False, cache: bool = True,
              assume_compiling: bool = False) -> tuple[ShardingPlan, Mesh]:
     """The plan `auto_shard` applies: searched, or the one given (a `ShardingPlan` or a saved plan's path),
     checked against the model, its example inputs and the mesh."""
@@ -77,7 +77,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
                loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer, schedule=None,
                hardware: str | None = None, memory: float | str | None = None, budget: str | int | None = None,
                seed: int = 0, plan: ShardingPlan | str | os.PathLike | None = None,
-               progress: bool = False, fallback: bool = False, cache: bool = True,
+               progress: bool | str | None = None, fallback: bool = False, cache: bool = True,
                assume_compiling: bool = False, backend: str | None = None,
                compile: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Shard `model`'s training step over `mesh` and return `(model, optimizer)` to train with.

@@ -321,7 +321,7 @@ def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
     tactics = parse_schedule(args.schedule, mesh)  # a bad schedule is reported before the capture
     limit = _parse_bytes(args.memory) if args.memory else None
     config = SearchConfig(hw, dcn, limit, args.seed, Budget.parse(args.budget), args.algorithm,
-                          progress=not args.json and sys.stderr.isatty())
+                          progress=None)
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
     fallback = args.fallback or wants_fallback(args.schedule)
 
@@ -433,7 +433,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     model, opt = partir_torch.auto_shard(model, inputs, args.mesh, loss_fn=loss_fn, optimizer=optimizer,
                                          schedule=args.schedule, hardware=args.hardware, memory=args.memory,
                                          budget=args.budget, seed=args.seed, plan=args.plan,
-                                         progress=sys.stderr.isatty(), cache=not args.no_cache)
+                                         progress=None, cache=not args.no_cache)
     plan = model.partir_plan
     print(plan.table())
     if plan.search:

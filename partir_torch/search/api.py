@@ -48,7 +48,7 @@ class SearchConfig:
     seed: int = 0
     budget: Budget = field(default_factory=Budget)
     algorithm: str = "mcts"
-    progress: bool = False
+    progress: bool | str | None = None  # None: a bar on a terminal, a line every few seconds elsewhere
     # ablations (benchmarks/search.py): prune=False offers every syntactically possible action (no
     # propagation-based pruning); goals=False searches all axes in one tree for the plain step time with a
     # memory penalty (no per-axis goals, no relaxed memory limit for earlier axes, no goal's action kinds)
@@ -209,7 +209,7 @@ def run_search(state: ShardingState, axes: tuple[str, ...], goal: str, config: S
 def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", schedule=None,
            hardware: str | Hardware = "cpu-virtual", memory: float | str | None = None, dcn_axes=(), seed: int = 0,
            budget: str | int | Budget | None = None, goal: str = "time", algorithm: str = "mcts",
-           fold: bool = True, progress: bool = False, require_fit: bool = True, prune: bool = True,
+           fold: bool = True, progress: bool | str | None = None, require_fit: bool = True, prune: bool = True,
            goals: bool = True, fallback: bool = False, mode: str | None = None, cache: bool = True,
            devices: int | None = None, assume_compiling: bool = False):
     """Find a sharding plan for one training step of `model` on `mesh` (`{"batch": 2, "model": 4}`,
@@ -226,6 +226,8 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", sche
     `cache=False` searches even when the plan cache (`partir_torch/cache.py`) holds a plan for this program and
     setting. `devices`: the device count the mesh must have (checked before the capture). `assume_compiling`
     is `capture`'s: libraries take their compiled path (which skips value checks such as HF's all-ones mask).
+    `progress`: None shows a live bar on a terminal and, where stderr is piped or logged, a line every few
+    seconds (budget used, best cost, episodes/s); False nothing; "bar" / "lines" either one.
     """
     from partir_torch.capture import capture
     from partir_torch.ir.mesh import check_devices, parse_mesh

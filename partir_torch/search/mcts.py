@@ -51,6 +51,7 @@ from partir_torch.propagate import ShardingState
 from partir_torch.search.budget import DEFAULT_EPISODES, INTERRUPTED, Budget, Result, Stats, ctrl_c_ends_search
 from partir_torch.search.goals import Evaluator
 from partir_torch.search.local import Fingerprint, LocalSearch, Plan, simplify
+from partir_torch.search.progress import Reporter, mode_of
 from partir_torch.search.space import Action, Plans, decided_bytes
 
 __all__ = ["DEFAULT_EPISODES", "INTERRUPTED", "MCTS", "Budget", "Result", "Stats", "simplify"]
@@ -75,7 +76,7 @@ class MCTS:
 
     def __init__(self, root: ShardingState, evaluator: Evaluator, axes: tuple[str, ...], kinds: frozenset[str], *,
                  seed: int = 0, c: float = 0.5, rollout_depth: int = 3, p_stop: float = 0.3, max_depth: int = 12,
-                 simplicity: float = 0.005, progress: bool = False, prune: bool = True, elite: int = 4,
+                 simplicity: float = 0.005, progress: bool | str | None = False, prune: bool = True, elite: int = 4,
                  greedy_rollout: float = 0.5, widen: float | None = 3.0, widen_above: int = 128) -> None:
         self.simplicity, self.prune, self.widen = simplicity, prune, widen
         self.widen_above = widen_above
@@ -229,16 +230,10 @@ class MCTS:
         main = Budget(None if budget.episodes is None else int(budget.episodes * (1 - refine)) or int(refine < 1),
                       None if budget.seconds is None else budget.seconds * (1 - refine))
         ev0, ct0 = self.ev.evaluations, self.ev.cost_time_s
-        bar = None
-        if self.progress:
-            from rich.progress import Progress
-
-            bar = Progress(transient=True)
-            bar.start()
-            task = bar.add_task(f"MCTS on {', '.join(self.axes)}", total=budget.episodes or None)
         end = None if main.seconds is None else t0 + main.seconds
+        report = Reporter(mode_of(self.progress), f"MCTS on {', '.join(self.axes)}", budget)
         try:
-            with ctrl_c_ends_search():  # (Ctrl-C sets INTERRUPTED: the loops below end)
+            with ctrl_c_ends_search(), report:  # (Ctrl-C sets INTERRUPTED: the loops below end)
                 while not INTERRUPTED.is_set():
                     while True:
                         if INTERRUPTED.is_set():
@@ -250,10 +245,7 @@ class MCTS:
                         if not self.root.untried and not self.root.children:
                             break  # nothing to do on these axes
                         self.episode()
-                        if bar is not None:
-                            bar.update(task, advance=1, description=f"MCTS on {', '.join(self.axes)}: best "
-                                       f"{'fits' if not self.best[0].infeasible else 'does not fit'}, "
-                                       f"{self.best[0].objective * 1e3:.2f} ms")
+                        report.update(self.stats.episodes, self.best[0].objective, not self.best[0].infeasible)
                     if refine > 0:
                         n = None if budget.episodes is None else max(8, int(budget.episodes * refine * 4))
                         self.local.refine(None if budget.seconds is None else t0 + budget.seconds, n, starts)
@@ -266,9 +258,6 @@ class MCTS:
                     end = time.perf_counter() + left * (1 - refine if refine < 1 else 0.8)
         except KeyboardInterrupt:  # Ctrl-C: the best plan so far is the answer (of this and every later phase)
             INTERRUPTED.set()
-        finally:
-            if bar is not None:
-                bar.stop()
         self.stats.time_s = time.perf_counter() - t0
         self.stats.evaluations = self.ev.evaluations - ev0
         self.stats.cost_time_s = self.ev.cost_time_s - ct0
