@@ -244,10 +244,7 @@ def _request_key(args: argparse.Namespace) -> str:
     factory file's path made absolute; everything that decides the plan, nothing that only formats it."""
     from partir_torch import cache
 
-    model = args.model
-    if ":" in model and model.rsplit(":", 1)[0].endswith(".py"):
-        path, factory = model.rsplit(":", 1)
-        model = f"{os.path.abspath(path)}:{factory}"
+    model = _workload_record(args)["model"]
     parts = {k: getattr(args, k) for k in ("mesh", "hardware", "memory", "schedule", "seed", "budget", "algorithm",
                                             "no_fold", "fallback", "optimizer", "assume_compiling", "devices")}
     return cache.digest({"command": args.command, "model": model, "config": sorted(args.config or []), **parts})
@@ -508,7 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help='tactics per axis, e.g. "batch:BatchParallel;model:Auto" (default: search every axis); '
                          'Auto(goal) with goal time|communication|zero')
     pl.add_argument("--seed", type=int, default=0)
-    pl.add_argument("--budget", default="20s", help="search budget: seconds (30s, 2m) or episodes (500)")
+    pl.add_argument("--budget", help="search budget: seconds (30s, 2m) or episodes (500); default: 200 episodes, "
+                                     "as in Python (the same plan on every run)")
     pl.add_argument("--algorithm", default="mcts", choices=["mcts", "random", "greedy", "beam", "exhaustive"])
     pl.add_argument("--no-fold", action="store_true", help="capture every repeated layer (slower; same costs)")
     pl.add_argument("--fallback", action="store_true", help=_FALLBACK_HELP)
@@ -534,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--hardware", default=None, help="cost model preset (default cpu-virtual)")
     tr.add_argument("--memory", help="per-device memory limit, e.g. 64MiB")
     tr.add_argument("--schedule", default=None, help="default: search every axis")
-    tr.add_argument("--budget", default="20s")
+    tr.add_argument("--budget", help="as plan's (default: 200 episodes)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--plan", help="apply this saved plan instead of searching")
     tr.add_argument("--out", help="save the plan here")

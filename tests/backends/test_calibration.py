@@ -119,9 +119,9 @@ def test_fused_qkv_split_is_an_exchange_not_a_gather():
 def test_plans_rank_in_xla_order_of_communication_volume():
     from partir_torch.backends.calibrate import calibrate
 
-    plans = ["batch:BatchParallel", "batch:BatchParallel;model:Megatron",
-             "batch:BatchParallel;model:Megatron;batch:ZeRO(1)", "batch:FSDP"]
+    plans = ["batch:BatchParallel", "batch:BatchParallel;model:Megatron", "batch:FSDP"]  # (3 compiles: the time)
     cals = [calibrate("tiny-llama", "batch=2,model=4", p) for p in plans]
     ours = [sum(c.predicted.values()) for c in cals]
     xla = [sum(c.xla.values()) for c in cals]
-    assert sorted(range(4), key=ours.__getitem__) == sorted(range(4), key=xla.__getitem__), (ours, xla)
+    assert len(set(ours)) == 3, ours  # a ranking to compare
+    assert sorted(range(3), key=ours.__getitem__) == sorted(range(3), key=xla.__getitem__), (ours, xla)

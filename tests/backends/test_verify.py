@@ -317,7 +317,7 @@ def test_a_tied_weight_s_read_gradient_is_constrained_as_the_plan_makes_its_term
         assert r == pytest.approx(1.0, abs=0.01), (kind, j["ratios"])
 
 
-# (not the U-Net: 55 s of the suite; test_numerics runs its searched plan on XLA)
+# (not the U-Net: 55 s of the suite; the torch backend runs its plan, tests/backends/test_distributed.py)
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-gns", "tiny-moe"])
 def test_searched_plans_compile_to_the_predicted_collectives(name):
     """Plans the search makes under a tight memory limit put the batch and weights on the same axis, so
