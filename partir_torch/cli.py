@@ -430,7 +430,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     model, opt = partir_torch.auto_shard(model, inputs, args.mesh, loss_fn=loss_fn, optimizer=optimizer,
                                          schedule=args.schedule, hardware=args.hardware, memory=args.memory,
                                          budget=args.budget, seed=args.seed, plan=args.plan,
-                                         progress=None, cache=not args.no_cache)
+                                         progress=None, cache=not args.no_cache, fallback=args.fallback)
     plan = model.partir_plan
     print(plan.table())
     if plan.search:
@@ -537,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--plan", help="apply this saved plan instead of searching")
     tr.add_argument("--out", help="save the plan here")
     tr.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    tr.add_argument("--fallback", action="store_true", help=_FALLBACK_HELP)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--steps", type=int, default=5)
     tr.add_argument("--verify", action="store_true", help="compile the step with the HLO dump and compare")

@@ -180,3 +180,8 @@ def test_the_cli_searches_the_python_default_budget(command):
     assert Budget.parse(args.budget) == Budget(DEFAULT_EPISODES, None)
     assert f"{DEFAULT_EPISODES} episodes" in cli.build_parser()._subparsers._group_actions[0].choices[
         command].format_help()
+
+
+def test_train_takes_plan_s_fallback_flag():
+    args = cli.build_parser().parse_args(["train", "tiny-mlp", "--mesh", "batch=8", "--fallback"])
+    assert args.fallback is True
