@@ -130,7 +130,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from partir_torch.lower import summarize
     from partir_torch.plan import ShardingPlan, specs
     from partir_torch.search import Budget, SearchConfig
-    from partir_torch.simulate import TOLERANCE, simulate, simulate_fp64
+    from partir_torch.simulate import FP64_TOLERANCE, TOLERANCE, simulate, simulate_fp64
     from partir_torch.tactics import apply_schedule
 
     Budget.parse(args.budget)  # a bad budget is reported before the capture
@@ -169,10 +169,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         groups[key].append(d)
     by_kind = {k: max(v) for k, v in groups.items() if v}
     fp64 = None  # where fp32 rounding exceeds the tolerance: the same plan on the step captured in fp64
-    if res.max_rel_diff > TOLERANCE or res.replica_mismatch > TOLERANCE:
+    exact = res.max_rel_diff <= TOLERANCE and res.replica_mismatch <= TOLERANCE
+    if not exact:
         fp64 = simulate_fp64(state, model, inputs, loss_fn, args.optimizer, states, seed=args.seed,
                              assume_compiling=args.assume_compiling, fallback=args.fallback)
-    exact = (res.max_rel_diff <= TOLERANCE and res.replica_mismatch <= TOLERANCE) or (fp64 is not None and fp64 <= 1e-9)
+        exact = fp64 is not None and fp64 <= FP64_TOLERANCE
     out = {
         "model": args.model, "mesh": dict(mesh.axes), "schedule": args.schedule, "exact": exact,
         "max_rel_diff": res.max_rel_diff, "fp64_rel_diff": fp64, "tolerance": TOLERANCE,
@@ -386,11 +387,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if len(args.targets) > 2:
         raise PartirError(f"verify takes [MODEL] PLAN, got {len(args.targets)} arguments: {args.targets}")
     plan = ShardingPlan.load(args.targets[-1])
-    name, config = (args.targets[0], args.config) if len(args.targets) == 2 else (None, args.config)
+    name, config = (args.targets[0] if len(args.targets) == 2 else None), args.config
+    if name is None and plan.workload is None:
+        raise PartirError(f"{args.targets[-1]} does not record its model (it was saved from Python, not by "
+                          "`partir-torch plan`); name it: partir-torch verify MODEL PLAN [--config KEY=VALUE]")
     if name is None:
-        if plan.workload is None:
-            raise PartirError(f"{args.targets[-1]} does not record its model (it was saved from Python, not by "
-                              "`partir-torch plan`); name it: partir-torch verify MODEL PLAN [--config KEY=VALUE]")
         name, config = plan.workload["model"], config or plan.workload.get("config")
     overrides = workload.parse_overrides(config)
     model, inputs, _ = workload.load(name, overrides)

@@ -299,6 +299,7 @@ def _local_groups(state: ShardingState, o: int, w: int, groups: int) -> int:
 
 
 TOLERANCE = 1e-5  # max relative difference, fp32, sharded vs unsharded, that is read as exact
+FP64_TOLERANCE = 1e-9  # the same in fp64, when fp32 rounding alone exceeds TOLERANCE
 
 
 def simulate_fp64(state, model, inputs: Sequence[torch.Tensor], loss_fn, optimizer, opt_states, *,

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from partir_torch.errors import CaptureError, PartirError
+from partir_torch.simulate import FP64_TOLERANCE, TOLERANCE
 
 STAGES = ("build", "capture", "plan", "simulate", "ok")
-TOL = 1e-5  # max relative difference, fp32, sharded vs unsharded
-TOL64 = 1e-9  # the same in fp64, when fp32 rounding alone exceeds TOL
+TOL, TOL64 = TOLERANCE, FP64_TOLERANCE  # (simulate's: fp32, and fp64 where fp32 rounding alone exceeds TOL)
 # the batch axis data-parallel (so every plan shards something and the simulation is never vacuous), the
 # model axis searched
 SCHEDULE = "batch:BatchParallel;model:Auto"

@@ -49,12 +49,13 @@ class Reporter:
             self.bar.stop()
 
     def update(self, episodes: int, best_s: float | None, fits: bool) -> None:
+        """After each episode: the bar redrawn, or a line when `EVERY_S` has passed since the last."""
+        now = time.perf_counter()
+        if self.mode is None or (self.bar is None and now - self.last < EVERY_S):
+            return
         best = "no plan yet" if best_s is None else f"best {best_s * 1e3:.2f} ms, {'fits' if fits else 'does not fit'}"
         if self.bar is not None:
             self.bar.update(self.task, completed=episodes, description=f"{self.title}: {best}")
-            return
-        now = time.perf_counter()
-        if self.mode != "lines" or now - self.last < EVERY_S:
             return
         self.last = now
         spent = now - self.t0
