@@ -38,7 +38,7 @@ def one(name: str, steps: int) -> dict:
     torch.manual_seed(0)
     model, inputs, loss_fn = models.build(name, CONFIGS.get(name), device="cpu")
     t = time.perf_counter()
-    plan = partir_torch.search(model, inputs, MESH, loss_fn=loss_fn, optimizer="adamw",
+    plan = partir_torch.find_plan(model, inputs, MESH, loss_fn=loss_fn, optimizer="adamw",
                                schedule="batch:BatchParallel;model:Megatron;batch:ZeRO(1)", cache=False)
     plan_s = time.perf_counter() - t
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

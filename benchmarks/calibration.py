@@ -5,7 +5,7 @@
 
 By default XLA gets the plan's constraints on activations and gradients too (what `auto_shard` applies:
 module outputs and inputs, parameters' reads, calls inside forwards, the model's output) and runs
-LayerNorm as reductions (`backends/xla.py` says why); the two flags turn those off, to measure what they do.
+LayerNorm as reductions (`backends/xla` says why); the two flags turn those off, to measure what they do.
 
 For every model x plan: collective bytes per device by kind, predicted (in XLA CPU's form: reduce-scatter
 counted as the all-reduce it compiles to) vs what XLA emitted, and per-device memory (our liveness peak vs
@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.workloads
 
 WIDER_GPT = "tiny-gpt2:width=256,heads=8,seq=128,batch=8,vocab=1024"  # activations outweigh the weights
 PLANS = ["batch:BatchParallel", "batch:BatchParallel;model:Megatron",
@@ -37,7 +40,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from partir_torch.backends.calibrate import calibrate
+    from benchmarks.workloads.calibrate import calibrate
 
     rows = []
     for spec in args.models:

@@ -28,7 +28,8 @@ def one(name: str, repeat: int) -> dict:
     t0 = time.perf_counter()
     import torch  # noqa: F401  (import time is not capture time)
 
-    from partir_torch import capture, models
+    from partir_torch import models
+    from partir_torch.capture import capture
 
     import_s = time.perf_counter() - t0
     times, program = [], None

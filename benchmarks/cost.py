@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "cost.json"))
     args = ap.parse_args()
 
-    from partir_torch import capture
+    from partir_torch.capture import capture
     from partir_torch.cost import hardware
     from partir_torch.cost.model import evaluate
     from partir_torch.ir import Mesh

@@ -43,8 +43,9 @@ def calibrate(config: dict, device: torch.device) -> dict:
     """Predicted compute per op class (the device's preset) against the profiler's kernel time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from partir_torch import capture, models
+    from partir_torch import models
     from partir_torch.backends.distributed.shard import hardware_of
+    from partir_torch.capture import capture
     from partir_torch.cost.hardware import hardware
     from partir_torch.cost.model import op_times
     from partir_torch.ir import Mesh

@@ -1,4 +1,4 @@
-"""Model sweep benchmark: every third-party architecture of `partir_torch/models/thirdparty.py` through
+"""Model sweep benchmark: every third-party architecture of `benchmarks/workloads/thirdparty.py` through
 capture, coverage, plan (Auto, small episode budget, fallback only when needed) and the simulator.
 
     .venv/bin/python benchmarks/models.py [--names hf-gpt2 tv-resnet18 ...] [--budget 30] [--no-write-known]
@@ -34,7 +34,7 @@ def one(name: str, budget: int) -> dict:
         transformers.logging.set_verbosity_error()
     except ImportError:
         pass
-    from partir_torch import sweep
+    from benchmarks.workloads import sweep
 
     return sweep.run(name, budget=budget).to_json()
 
@@ -71,7 +71,7 @@ def table(results: list[dict], budget: int) -> str:
     lines = [
         "# Model sweep",
         "",
-        "Every architecture of `partir_torch/models/thirdparty.py` (tiny configs, no downloaded weights), its",
+        "Every architecture of `benchmarks/workloads/thirdparty.py` (tiny configs, no downloaded weights), its",
         "training step with AdamW captured, `coverage` run, planned on `{batch: 2, model: 2}` with the schedule",
         "`batch:BatchParallel;model:Auto` (" + f"{budget}" + " episodes; the search gets 60 % of the batch-parallel",
         "plan's peak memory, so it must shard the model axis), then simulated per device against the unsharded step",
@@ -113,7 +113,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args.one, args.budget)))
         return
-    from partir_torch.models.thirdparty import NAMES
+    from benchmarks.workloads.thirdparty import NAMES
 
     names = args.update or args.names or NAMES
     results = []

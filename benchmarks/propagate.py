@@ -28,7 +28,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "propagate.json"))
     args = ap.parse_args()
 
-    from partir_torch import capture, models
+    from partir_torch import models
+    from partir_torch.capture import capture
     from partir_torch.ir import Mesh, Tile
     from partir_torch.lower import lower
     from partir_torch.propagate import ShardingState, program_rules

@@ -95,7 +95,7 @@ def best_expert(program, mesh, hw, dcn: frozenset[str], limit: float | None = No
 
 
 def _load(name: str):
-    from partir_torch import capture
+    from partir_torch.capture import capture
     from partir_torch.cli import parse_mesh
     from partir_torch.cost import hardware
     from partir_torch.workload import load
@@ -170,7 +170,7 @@ from partir_torch.cost import evaluate, hardware
 from partir_torch.plan import ShardingPlan
 from partir_torch.search import Budget, SearchConfig
 from partir_torch.search.api import summarize_log
-from partir_torch.tactics import apply_schedule, parse_schedule
+from partir_torch.tactics import Context, apply_schedule, parse_schedule
 t_imp = time.perf_counter()
 layers, mesh_text, hw_name, budget = sys.argv[1:]
 mesh, dcn = parse_mesh(mesh_text)
@@ -180,12 +180,13 @@ model, inputs, loss_fn = workload.load("gpt2-small", {"layers": layers, "batch":
 t_build = time.perf_counter()
 program = capture(model, inputs, loss_fn, "adamw", fold=True)
 t_cap = time.perf_counter()
-state = apply_schedule(program, mesh, parse_schedule("*:Auto", mesh), search=config)
+context = Context(config)
+state = apply_schedule(program, mesh, parse_schedule("*:Auto", mesh), context=context)
 t_search = time.perf_counter()
 report = evaluate(state, hw, dcn_axes=dcn)
 t_eval = time.perf_counter()
 plan = ShardingPlan.from_state(state, report, schedule="*:Auto", hardware=hw.name, dcn_axes=dcn,
-                               search=summarize_log(config.log))
+                               search=summarize_log(context.log))
 t_plan = time.perf_counter()
 table = plan.table()
 t_table = time.perf_counter()

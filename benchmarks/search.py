@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.workloads
+
 SCENARIOS = {
     # name: (model, overrides, hardware, mesh, dcn axes, experts)
     "S1": ("gpt2-xl", {}, "tpu-v5e", "batch=2,model=4", (), "2d"),
@@ -61,8 +63,8 @@ def experts(axes: list[str]) -> dict[str, str]:
 def renamed_megatron(model_name, over, mesh, hw, dcn, budget) -> dict:
     """Search the renamed model; count the structural column/row linear pairs the plan tiles Megatron-style
     on the model axis, and whether the inputs are batch-parallel."""
-    from partir_torch import capture
-    from partir_torch.models.renamed import renamed
+    from benchmarks.workloads.renamed import renamed
+    from partir_torch.capture import capture
     from partir_torch.search import search
     from partir_torch.tactics import apply_schedule, linears, megatron_pairs
     from partir_torch.workload import load
@@ -109,7 +111,7 @@ def e2e_child(hw: str, budget: str, seed: int) -> None:
 
 
 def e2e(budget: str, seeds: int) -> dict:
-    from partir_torch import capture
+    from partir_torch.capture import capture
     from partir_torch.cli import parse_mesh
     from partir_torch.cost import evaluate, hardware
     from partir_torch.tactics import apply_schedule
@@ -186,12 +188,12 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(prev, indent=1))
         return
 
-    from partir_torch import capture
+    from partir_torch.capture import capture
     from partir_torch.cli import parse_mesh
     from partir_torch.cost import evaluate, hardware
     from partir_torch.search import Auto, Budget, SearchConfig
     from partir_torch.search.api import summarize_log
-    from partir_torch.tactics import apply_schedule
+    from partir_torch.tactics import Context, apply_schedule
     from partir_torch.workload import load
 
     names = [s for s in args.only.split(",") if s] or list(SCENARIOS)
@@ -235,12 +237,13 @@ def main() -> None:
             cfg = SearchConfig(hw, frozenset(dcn), None, seed, Budget.parse(args.budget), algo,
                                prune=prune, goals=goals)
             t1 = time.perf_counter()
-            state = apply_schedule(program, mesh, [Auto(None, "time", mode)], search=cfg)
+            context = Context(cfg)
+            state = apply_schedule(program, mesh, [Auto(None, "time", mode)], context=context)
             el = time.perf_counter() - t1
-            st = summarize_log(cfg.log) or {}
+            st = summarize_log(context.log) or {}
             row["search"][key] = rec(state, {"time_s": el, "episodes": st.get("episodes"),
                                              "evaluations": st.get("evaluations"),
-                                             "actions": [a for e in cfg.log if e.get("chosen", True)
+                                             "actions": [a for e in context.log if e.get("chosen", True)
                                                          for a in e["actions"]]})
             print(f"{name} {key}: {row['search'][key]['step_time_s'] * 1e3:.2f} ms, "
                   f"{row['search'][key]['peak_memory_bytes'] / 2**30:.2f} GiB, {el:.1f} s", flush=True)

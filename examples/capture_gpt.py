@@ -3,7 +3,9 @@
     .venv/bin/python examples/capture_gpt.py
 """
 
-from partir_torch import Phase, Role, capture, models
+from partir_torch import models
+from partir_torch.capture import capture
+from partir_torch.ir import Phase, Role
 
 model, inputs, loss_fn = models.build("gpt2-small", device="meta")
 program = capture(model, inputs, loss_fn, optimizer="adamw")

@@ -32,7 +32,7 @@ def main() -> None:
     mesh = {"batch": 2, "model": 4}
     if args.what == "search":
         model, inputs, loss_fn = workload(args.tiny)
-        plan = partir_torch.search(model, inputs, mesh, loss_fn=loss_fn, optimizer="adamw", budget=80,
+        plan = partir_torch.find_plan(model, inputs, mesh, loss_fn=loss_fn, optimizer="adamw", budget=80,
                                    memory="320KiB" if args.tiny else "48MiB")
         plan.save(args.path)
         print(plan.table())

@@ -13,18 +13,24 @@ from it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar, cast
 
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Program
 from partir_torch.rules.base import OpRule, rule_for
 
+T = TypeVar("T")
+# per op: (tensors as (value, factor per dim), {factor: [(value, dim), ...]})
+Layout = tuple[tuple[tuple[int, tuple], ...], dict[int, list[tuple[int, int]]]]
+
 
 @dataclass(eq=False)
 class Analysis:
-    """The per-(program, mesh) tables of every stage; fields after `layouts` are filled by the stage that
-    owns them on first use (their types belong to later layers, so they are declared here untyped)."""
+    """The per-(program, mesh) tables of every stage. Propagation's and lowering's are declared fields; a later
+    stage keeps its own (the cost model's tables, the search's slots) through `stage(kind, build)`, keyed by
+    its type: the stage owns the type and builds it, the analysis only holds it for as long as it lives."""
 
     program: Program
     mesh: Mesh
@@ -33,19 +39,15 @@ class Analysis:
     touch: list[list[int]] = field(init=False, repr=False)  # per value: the ops whose rule reads or writes it
     peers: dict[int, list[int]] = field(init=False, repr=False)  # value -> the same value of every repeat
     templates: dict[str, list[int]] = field(init=False, repr=False)  # group template name -> its values
-    layouts: list[Any] = field(init=False, repr=False)  # per op, (tensors, factor carriers), built when read
+    layouts: list[Layout | None] = field(init=False, repr=False)  # per op, built when read (`layout`)
     # propagate.py: (op, factor, axes) -> the first value carrying the factor whose dim the axes do not divide
     blockers: dict = field(default_factory=dict, repr=False)
     # lower.py: per-op rule signatures, the shardings an op needs by (signature, assignment, sums), reshards
     lower_sigs: list[int] | None = field(default=None, repr=False)
     lower_memo: dict = field(default_factory=dict, repr=False)
     reshard_memo: dict = field(default_factory=dict, repr=False)
-    # cost/tables.py: the static tables and the memo of results by content
-    cost_tables: Any = field(default=None, repr=False)
-    cost_memo: Any = field(default=None, repr=False)
-    # search/space.py: the action slots and each action's decided bytes
-    search_slots: list | None = field(default=None, repr=False)
-    decided_bytes: dict = field(default_factory=dict, repr=False)
+    # later stages' tables by their type (`stage`): the cost model's static tables and memo, the search's slots
+    stages: dict[type, object] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         program = self.program
@@ -78,13 +80,22 @@ class Analysis:
         """Drop the analyses of `program`: later states build them again (benchmarks, tests)."""
         program.analyses.clear()
 
+    def stage(self, kind: type[T], build: Callable[[], T]) -> T:
+        """The table of type `kind` a later stage keeps for this analysis, `build()` on first use."""
+        got = self.stages.get(kind)
+        if got is None:
+            got = self.stages[kind] = build()
+        return cast(T, got)
+
     def clear_memos(self) -> None:
-        """Forget the results memoized by content (lowering's and the cost model's), keeping the tables."""
+        """Forget the results memoized by content (lowering's, and every stage table that is a memo: one with
+        a `memo = True` class attribute, the cost model's), keeping the other tables."""
         self.lower_memo.clear()
         self.reshard_memo.clear()
-        self.cost_memo = None
+        for kind in [k for k in self.stages if getattr(k, "memo", False)]:
+            del self.stages[kind]
 
-    def layout(self, o: int) -> tuple[tuple[tuple[int, tuple], ...], dict[int, list[tuple[int, int]]]]:
+    def layout(self, o: int) -> Layout:
         """(tensors as (value, factor per dim), {factor: [(value, dim), ...]}) of op `o`."""
         entry = self.layouts[o]
         if entry is None:

@@ -58,7 +58,7 @@ def tiny():
 def pytest_configure(config) -> None:
     """torch_xla's runtime starts before any test's backward: PyTorch sizes autograd's per-device queues at
     the first backward of a process, and a capture (a backward on fake tensors) before the runtime starts
-    would make every later XLA backward in this test process fail (`backends.xla._probe_autograd`)."""
+    would make every later XLA backward in this test process fail (`backends.xla.runtime._probe_autograd`)."""
     import importlib.util
 
     if importlib.util.find_spec("torch_xla") is not None:

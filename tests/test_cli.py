@@ -141,7 +141,8 @@ def test_simulate_a_saved_plan_replays_its_decisions(tmp_path, capsys):
     """A searched plan with ZeRO-3 moves (fences) and tiles whose order decides propagation: `simulate --plan`
     replays the saved decisions and runs exactly the state that was costed (its digest), which gives back every
     saved spec."""
-    from partir_torch import capture, models
+    from partir_torch import models
+    from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.ir import Mesh
     from partir_torch.plan import ShardingPlan

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.cli import main
 from partir_torch.cost import evaluate, hardware
 from partir_torch.explain import collapse, diff, explain

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.ir import Mesh
 from partir_torch.ir.sharding import Sharding
 from partir_torch.layout import Layout, walk

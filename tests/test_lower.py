@@ -60,7 +60,8 @@ def test_a_value_and_its_transpose_resharded_alike_are_one_collective():
     """A searched GPT-2 plan (batch and weights on one axis) gathers the fused-QKV gradient for one matmul and
     its transpose for another: XLA gathers once (`tests/backends/test_verify.py` measures it), so `lower`
     counts one; the cost model agrees to the byte."""
-    from partir_torch import capture, models
+    from partir_torch import models
+    from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.lower import dedup_key, end_reshards, lower, op_reshards, relayouts, summarize
     from partir_torch.search.api import Auto, Budget, SearchConfig
@@ -135,8 +136,8 @@ def test_gathers_off_one_dim_go_minor_axis_first_and_fuse_as_one():
 def test_sums_made_by_a_reduction_are_told_from_a_dot_s_through_their_relayouts():
     """`made_by_reduction` follows views back to the op that made the value: a linear's weight gradient (a dot,
     then transposed) is not, its bias's (a sum, then viewed) is; inputs and pointwise results are not."""
-    from partir_torch import capture
     from partir_torch.analysis import Analysis
+    from partir_torch.capture import capture
     from partir_torch.lower import made_by_reduction, relayouts
 
     net = torch.nn.Linear(8, 4)

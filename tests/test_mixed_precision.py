@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from partir_torch import capture
+from partir_torch.capture import capture
 from partir_torch.cli import main
 from partir_torch.ir import Mesh
 from partir_torch.lower import lower

@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.errors import IllegalActionError, MeshError
 from partir_torch.ir import Mesh, Replicate, Tile
 from partir_torch.lower import lower, summarize

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from partir_torch import capture
+from partir_torch.capture import capture
 from partir_torch.cli import main
 from partir_torch.errors import CaptureError, PartirError
 from partir_torch.ir import Mesh

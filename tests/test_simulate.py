@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 
-from partir_torch import Role, capture, models
-from partir_torch.ir import Mesh, Tile
+from partir_torch import models
+from partir_torch.capture import capture
+from partir_torch.ir import Mesh, Role, Tile
 from partir_torch.simulate import simulate
 from partir_torch.tactics import apply_schedule
 
@@ -81,7 +82,7 @@ def test_vocab_parallel_embeddings_of_transformers_models_match_unsharded(name):
     """A users' model's token table tiled on its rows (HF GPT-2's tied `wte`, T5's `shared` read by encoder,
     decoder and LM head): each lookup is a masked lookup summed over the row axis, and the step is exact."""
     pytest.importorskip("transformers")
-    from partir_torch.models.thirdparty import BUILDERS
+    from benchmarks.workloads.thirdparty import BUILDERS
     from partir_torch.propagate import ShardingState
     from partir_torch.rules.decompose import prepare
 

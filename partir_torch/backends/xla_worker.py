@@ -186,7 +186,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     from partir_torch.backends import xla
 
     xla.start_runtime(int(os.environ["CPU_NUM_DEVICES"]))
-    torch_xla, _, _ = xla._xla()
+    torch_xla, _, _ = xla.runtime._xla()
     torch.manual_seed(job["seed"])
     model, inputs, loss_fn, optimizer = _load(job)
     plan = ShardingPlan.from_json(job["plan"])

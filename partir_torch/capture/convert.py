@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,7 +15,10 @@ TORCH_DIR = os.path.dirname(torch.__file__)
 OUR_DIR = os.path.dirname(os.path.dirname(__file__))
 
 
-def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Program:
+def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str,
+               flops: Mapping[str, float] | None = None) -> Program:
+    """`flops`: the measured FLOPs per call of opaque ops, by target (`OpaqueModules.flops`), kept on their ops."""
+    flops = flops or {}
     values: list[Value] = []
     ops: list[Op] = []
     env: dict[torch.fx.Node, Any] = {}  # node -> value id, or tuple of value ids for multi-output ops
@@ -113,6 +117,7 @@ def to_program(gm: torch.fx.GraphModule, in_roles, out_roles, mode: str) -> Prog
                 call,
                 call_shape if call is not None else None,
                 call_fn if call is not None else None,
+                flops.get(str(node.target)),
             )
         )
 
@@ -180,4 +185,4 @@ def assign_phases(ops: list[Op], values: list[Value], outputs: list[int]) -> Non
         phase = Phase.FORWARD if i in fwd else Phase.BACKWARD if i in bwd else Phase.OPTIMIZER
         if phase is not Phase.FORWARD:
             ops[i] = Op(op.id, op.target, op.inputs, op.outputs, op.args, op.kwargs, phase, op.module, op.overload,
-                        op.source, op.call, op.call_shape, op.call_fn)
+                        op.source, op.call, op.call_shape, op.call_fn, op.flops)

@@ -12,8 +12,8 @@ What capture learns by running the module (on the CPU, at the captured shapes, o
 with the model's weights, or random ones for a meta model, and random inputs): its output shapes and
 dtypes — checked to be the same for two different random inputs, else the output shape itself depends on
 the data and the parent module is made opaque instead — and its FLOPs forward and backward, counted by
-`torch.utils.flop_counter` (`measured_flops`; the cost model charges them to the op, per device, since
-it is replicated). The module must be functional: a forward that writes its buffers is refused.
+`torch.utils.flop_counter` (kept on the program's op, `Op.flops`; the cost model charges them to the op, per
+device, since it is replicated). The module must be functional: a forward that writes its buffers is refused.
 
 Randomness inside the module (dropout) is drawn from a fixed seed per op, in the forward and in the
 backward's recomputation alike, so the unsharded run, the simulator and the backward agree.
@@ -38,15 +38,6 @@ from partir_torch.errors import CaptureError
 NAMESPACE = "partir_opaque"
 TENSOR = object()  # a tensor's slot among a call's (or its output's) pytree leaves; other leaves are kept as is
 _COUNTER = itertools.count()
-# op target ("partir_opaque.MoE_0.default") -> FLOPs per call, measured at capture shapes
-_FLOPS: dict[str, float] = {}
-
-
-def measured_flops(target: str) -> float | None:
-    """FLOPs of one call of an opaque op (None for any other op)."""
-    return _FLOPS.get(target)
-
-
 class OutputShapeVaries(CaptureError):
     """An opaque module's output shape depends on its input values: its parent must be opaque instead."""
 
@@ -73,8 +64,8 @@ class OpaqueCall:
     shapes: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = field(default_factory=dict)
     real_state: dict[str, torch.Tensor] = field(default_factory=dict)  # the module's own weights (not meta)
     flops: tuple[float, float] = (0.0, 0.0)  # forward, backward (recomputation included), per call
-    op: Any = None
-    backward_op: Any = None
+    op: Callable[..., Any] | None = None  # the registered forward and backward ops (`torch.library.custom_op`)
+    backward_op: Callable[..., Any] | None = None
 
     @property
     def target(self) -> str:
@@ -153,8 +144,6 @@ class OpaqueCall:
             bwd_flops = float(bwd.get_total_flops())
         self.out_spec, self.out_consts = spec, consts
         self.flops = (float(fwd.get_total_flops()), bwd_flops)
-        _FLOPS[self.target] = self.flops[0]
-        _FLOPS[f"{NAMESPACE}.{self.name}_backward.default"] = self.flops[1]
         return meta
 
 
@@ -262,6 +251,15 @@ class OpaqueModules:
             return pytree.tree_unflatten([next(it) if c is TENSOR else c for c in call.out_consts], call.out_spec)
 
         return opaque_forward
+
+    def flops(self) -> dict[str, float]:
+        """FLOPs per call of each opaque op used, forward and backward, by op target (kept on the program's ops)."""
+        out = {}
+        for k, c in self.calls.items():
+            if k in self.used:
+                out[c.target] = c.flops[0]
+                out[f"{NAMESPACE}.{c.name}_backward.default"] = c.flops[1]
+        return out
 
     def summary(self) -> list[str]:
         """One line per opaque op: module, op, FLOPs per call (forward, backward)."""

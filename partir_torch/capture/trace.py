@@ -266,7 +266,7 @@ def capture(
     in_roles += [(Role.OPT_STATE, f"opt.{s}") for s in shared]
     in_roles += [(Role.OPT_STATE, f"opt.{s}[{n}]") for n in updated for s in states[n]]
     in_roles += [(Role.INPUT, f"inputs[{i}]") for i in range(len(inputs))]
-    program = to_program(gm, in_roles, out_roles, mode)
+    program = to_program(gm, in_roles, out_roles, mode, opaque_mods.flops())
     check_dtypes(program)
     program.params = {n: i for i, n in enumerate(names)}
     program.buffers = {n: n_p + i for i, n in enumerate(bnames)}

@@ -111,7 +111,7 @@ def _refresh(state: ShardingState, st: Static, memo: Memo) -> Cache:
             rules, ops, sid_of = state.rules, program.ops, st.sid_of
             for k, o in new.items():
                 a = assign[o]
-                flops, nbytes = op_compute(ops[o].target, st.tensors[o], a, mesh)
+                flops, nbytes = op_compute(ops[o], st.tensors[o], a, mesh)
                 entries[k] = len(memo.e_py)
                 needs = op_needs(rules[o], a, passthrough[o])
                 memo.e_py.append((flops, nbytes, tuple([sid_of(d, p, c) for d, p, c in needs])))

@@ -12,11 +12,10 @@ from itertools import chain
 import numpy as np
 
 from partir_torch.capture.fold import weights
-from partir_torch.capture.opaque import measured_flops
 from partir_torch.cost.hardware import Hardware
 from partir_torch.cost.report import FLOP_TARGETS, KINDS, op_flops
 from partir_torch.ir.mesh import Mesh
-from partir_torch.ir.program import Phase, Role
+from partir_torch.ir.program import Op, Phase, Role
 from partir_torch.ir.sharding import Sharding, local_dim
 from partir_torch.lower import Collective, fused, made_by_reduction, op_signatures, relayouts, reshard
 from partir_torch.propagate import Changes, ShardingState
@@ -24,7 +23,7 @@ from partir_torch.rules.tables import ATTENTION, VIEWS
 
 
 class Static:
-    """What does not depend on the sharding, computed once per analysis (`Analysis.cost_tables`), and the
+    """What does not depend on the sharding, computed once per analysis (`Analysis.stage`), and the
     incremental caches of the states evaluated, by their closed record of changes (`caches`)."""
 
     def __init__(self, state: ShardingState) -> None:
@@ -42,7 +41,7 @@ class Static:
         self.sh_list: list[Sharding] = []
         # compute: per op, its tensors as (value, factors per dim, shape, itemsize); flops only for matmuls etc.
         self.tensors = [
-            (op.target in FLOP_TARGETS or measured_flops(op.target) is not None,
+            (op.target in FLOP_TARGETS or op.flops is not None,
              tuple((t.value, t.dims, vals[t.value].shape, vals[t.value].dtype.itemsize) for t in r.operands),
              tuple((t.value, t.dims, vals[t.value].shape, vals[t.value].dtype.itemsize) for t in r.results))
             for op, r in zip(ops, rules)
@@ -97,7 +96,7 @@ class Static:
         self.flops0 = np.zeros(n_ops, dtype=np.float64)
         self.nbytes0 = np.zeros(n_ops, dtype=np.float64)
         for o in range(n_ops):
-            self.flops0[o], self.nbytes0[o] = op_compute(ops[o].target, self.tensors[o], {}, None)
+            self.flops0[o], self.nbytes0[o] = op_compute(ops[o], self.tensors[o], {}, None)
         self.sid0 = np.array([self.sid(Sharding.replicated(len(v.shape))) for v in vals], dtype=np.int64)
         need0 = [self.sid(Sharding.replicated(len(t.dims))) for r in rules for t in (*r.operands, *r.results)]
         need0 += [self.sid0[old] if old >= 0 else self.sid(Sharding.replicated(0)) for _, old in self.ends]
@@ -279,10 +278,13 @@ class Grow:
 
 
 class Memo:
-    """Results keyed by content, shared by every state of one analysis (`Analysis.cost_memo`):
+    """Results keyed by content, shared by every state of one analysis (`Analysis.stage`; dropped by
+    `Analysis.clear_memos`, as `memo` says):
     op entries by (signature, assignment, passed-through sums); per value its sharding id and local bytes
     by (shape, itemsize, sharding); moves (a reshard's collectives) by (shape, itemsize, from, to), and per
     slot the move and collectives it had last; the distinct collectives (axis, kind, bytes) as rows."""
+
+    memo = True
 
     def __init__(self, mesh: Mesh, st: Static) -> None:
         self.size = dict(mesh.axes)
@@ -400,19 +402,15 @@ MEMO_LIMIT = 200_000
 def tables(state: ShardingState) -> tuple[Static, Memo]:
     """The state's analysis's static tables and memo, built on first use (the memo anew past `MEMO_LIMIT`)."""
     an = state.analysis
-    st = an.cost_tables
-    if st is None:
-        st = an.cost_tables = Static(state)
-    memo = an.cost_memo
-    if memo is not None and len(memo.entry) + len(memo.val) + len(memo.moves) + len(memo.colls) > MEMO_LIMIT:
+    st = an.stage(Static, lambda: Static(state))
+    memo = an.stage(Memo, lambda: Memo(state.mesh, st))
+    if len(memo.entry) + len(memo.val) + len(memo.moves) + len(memo.colls) > MEMO_LIMIT:
         an.clear_memos()  # lower's memos grow alike
-        memo = None
-    if memo is None:
-        memo = an.cost_memo = Memo(state.mesh, st)
+        memo = an.stage(Memo, lambda: Memo(state.mesh, st))
     return st, memo
 
 
-def op_compute(target: str, tensors, a: dict, mesh: Mesh | None) -> tuple[float, int]:
+def op_compute(op: Op, tensors, a: dict, mesh: Mesh | None) -> tuple[float, int]:
     """(flops, bytes read + written) of an op on its local shapes under factor assignment `a`."""
     is_flop, operands, results = tensors
     shapes = []
@@ -427,7 +425,7 @@ def op_compute(target: str, tensors, a: dict, mesh: Mesh | None) -> tuple[float,
             nbytes += math.prod(loc) * itemsize
             local.append(loc)
         shapes.append(local)
-    return (op_flops(target, shapes[0], shapes[1]) if is_flop else 0.0), nbytes
+    return (op_flops(op.target, shapes[0], shapes[1], op.flops) if is_flop else 0.0), nbytes
 
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,11 +84,12 @@ class Op:
     kwargs: tuple[tuple[str, Any], ...]
     phase: Phase
     module: str | None = None
-    overload: Any = field(default=None, compare=False, repr=False)
+    overload: Callable[..., Any] | None = field(default=None, compare=False, repr=False)  # the aten op itself
     source: str | None = field(default=None, compare=False)  # `file.py:123` of the user code that emitted it
     call: int | None = field(default=None, compare=False)  # which torch-function call of its module made it
     call_shape: tuple[int, ...] | None = field(default=None, compare=False)  # that call's result, when one tensor
     call_fn: str | None = field(default=None, compare=False)  # that call's function (`capture.attribution.call_name`)
+    flops: float | None = None  # an opaque op's FLOPs per call, measured at capture (`capture/opaque.py`)
 
     def __str__(self) -> str:
         outs = ", ".join(f"%{o}" for o in self.outputs)
@@ -139,7 +140,7 @@ class Program:
     capture_time_s: float = 0.0
     compiling: bool = False  # traced with torch.compiler.is_compiling() true (capture's assume_compiling)
     fold: dict[str, int] = field(default_factory=dict)  # folded container path -> its full length (capture/fold.py)
-    graph_module: Any = field(default=None, repr=False)
+    graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
     _users: list[tuple[int, ...]] | None = field(default=None, repr=False)
     _by_name: dict[str, int] | None = field(default=None, repr=False)
     _hash: str | None = field(default=None, repr=False)
@@ -190,7 +191,8 @@ class Program:
             for v in self.values:
                 h.update(f"{v.name}|{v.shape}|{v.dtype}|{v.role.value}\n".encode())
             for op in self.ops:
-                h.update(f"{op.target}|{op.inputs}|{op.outputs}|{op.args!r}|{op.kwargs!r}\n".encode())
+                flops = "" if op.flops is None else f"|{op.flops!r}"  # (an opaque op's: it decides the cost)
+                h.update(f"{op.target}|{op.inputs}|{op.outputs}|{op.args!r}|{op.kwargs!r}{flops}\n".encode())
             h.update(repr(sorted(self.fold.items())).encode())
             self._hash = h.hexdigest()[:16]
         return self._hash

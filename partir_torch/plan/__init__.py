@@ -237,7 +237,7 @@ class ShardingPlan:
         if d["format"] != FORMAT:  # (no format at all: not a plan, a KeyError)
             raise PlanMismatchError(f"plan format {d['format']!r} is not this version's ({FORMAT}): a plan is now "
                                     "saved with its decisions, which older files lack; search the plan again with "
-                                    "this version of partir_torch (partir_torch.search(...) or `partir-torch plan`) "
+                                    "this version of partir_torch (partir_torch.find_plan(...) or `partir-torch plan`) "
                                     "and save it")
         return cls(dict(d["mesh"]["axes"]), d["params"], d["inputs"], d["optimizer_state"], d["cost"],
                    d.get("schedule"), d.get("hardware"), list(d["mesh"].get("dcn", [])), d.get("conflicts", []),

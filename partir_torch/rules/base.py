@@ -159,26 +159,22 @@ def _fresh(program: Program, vids: Iterable[int], base: int) -> list[str]:
     return out
 
 
-_LOADED: list[bool] = []
-
-
+@functools.cache
 def _load() -> None:
     """Import every family once (a family imported directly, e.g. by the simulator, must not stop it)."""
-    if not _LOADED:
-        _LOADED.append(True)
-        from partir_torch.rules import (  # noqa: F401  (registration side effects)
-            attention,
-            conv,
-            indexing,
-            loss,
-            matrix,
-            normalization,
-            pointwise,
-            random,
-            reduction,
-            scan,
-            view,
-        )
+    from partir_torch.rules import (  # noqa: F401  (registration side effects)
+        attention,
+        conv,
+        indexing,
+        loss,
+        matrix,
+        normalization,
+        pointwise,
+        random,
+        reduction,
+        scan,
+        view,
+    )
 
 
 # -- building rules from specs -------------------------------------------------------------------------------

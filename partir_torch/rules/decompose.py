@@ -94,7 +94,8 @@ def _retrace(program: Program, table) -> Program:
         v = program.values[vid]
         src = program.updates.get(vid)
         out_roles.append((v.role, v.name, index[src] if src is not None else None))
-    new = to_program(new_gm, in_roles, out_roles, program.mode)
+    new = to_program(new_gm, in_roles, out_roles, program.mode,
+                     {op.target: op.flops for op in program.ops if op.flops is not None})
     if program.mode == "train":
         assign_phases(new.ops, new.values, new.outputs)
     by_name = {v.name: v.id for v in new.values}

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
@@ -24,7 +26,7 @@ from partir_torch.cost.hardware import hardware as get_hardware
 from partir_torch.errors import PartirError
 from partir_torch.propagate import ShardingState
 from partir_torch.search.baselines import ALGORITHMS
-from partir_torch.search.budget import INTERRUPTED, Budget, Result
+from partir_torch.search.budget import Budget, Result
 from partir_torch.search.goals import KINDS, Evaluator, check_goal
 from partir_torch.search.mcts import MCTS
 from partir_torch.search.seeds import composites
@@ -38,9 +40,10 @@ class InfeasibleError(PartirError):
     """No plan found fits in memory; the message reports the best one and what would help."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class SearchConfig:
-    """What `Auto` needs beyond its axes: the cost model's setting, the budget, the algorithm."""
+    """What `Auto` needs beyond its axes: the cost model's setting, the budget, the algorithm. What a search
+    did (its log) is the schedule's `Context`'s, not the options'."""
 
     hw: Hardware = field(default_factory=lambda: get_hardware("cpu-virtual"))
     dcn_axes: frozenset[str] = frozenset()
@@ -54,8 +57,6 @@ class SearchConfig:
     # memory penalty (no per-axis goals, no relaxed memory limit for earlier axes, no goal's action kinds)
     prune: bool = True
     goals: bool = True
-    log: list[dict[str, Any]] = field(default_factory=list)  # one entry per searched Auto (stats, actions)
-    trace: list[list] = field(default_factory=list, repr=False)  # the actions of each entry of `log` kept
 
 
 @register_tactic("Auto")
@@ -91,17 +92,25 @@ class Auto:
         used = {a for sh in state.shard for a in sh.axes}
         return tuple(a for a in state.mesh.names if a not in used)
 
-    def apply(self, state: ShardingState, context: Context | None = None) -> ShardingState:
-        """The best state found from `state` (which is left as it was) with `context.search`'s setting."""
-        config = (context.search if context is not None else None) or SearchConfig()
+    def apply(self, state: ShardingState, context: Context[SearchConfig] | None = None) -> ShardingState:
+        """The best state found from `state` (which is left as it was) with `context.search`'s setting; what
+        the search did goes to `context.log`, and `context.cancel` ends it with its best plan."""
+        context = context if context is not None else Context()
+        config = context.search or SearchConfig()
+        n0, t0 = len(context.log), time.perf_counter()
+        out = self._search(state, context, config)
+        _warn_small_budget(config, context.log[n0:], time.perf_counter() - t0)
+        return out
+
+    def _search(self, state: ShardingState, context: Context, config: SearchConfig) -> ShardingState:
         axes = self.free_axes(state)
         if not axes:
             return state
         if not config.goals:  # ablation: one joint tree, the plain reward, the full memory limit
-            res = run_search(state, axes, "time", config, config.budget, seed=config.seed)
-            config.log.append({"axes": list(axes), "goal": None, "algorithm": config.algorithm,
-                               "actions": [str(a) for a in res.actions], **res.stats.to_json()})
-            config.trace.append(list(res.actions))
+            res = run_search(state, axes, "time", config, config.budget, context.cancel, seed=config.seed)
+            context.log.append({"axes": list(axes), "goal": None, "algorithm": config.algorithm,
+                                "actions": [str(a) for a in res.actions], **res.stats.to_json()})
+            context.trace.append(list(res.actions))
             return res.state.copy()
         if self.mode == "both" and len(axes) > 1:
             # the two orders of search fall into different basins (benchmarks/search.py): run both (30 % of the
@@ -111,31 +120,30 @@ class Auto:
             ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, self.goal)
             runs = []
             for mode in ("incremental", "joint"):
-                trial = state.copy()
-                cfg = replace(config, budget=part, log=[], trace=[])
-                trial = replace(self, mode=mode).apply(trial, Context(cfg))
-                runs.append((ev.key(ev.report(trial)), mode, trial, cfg.log, [a for r in cfg.trace for a in r]))
+                sub = Context(replace(config, budget=part), cancel=context.cancel)
+                trial = replace(self, mode=mode)._search(state.copy(), sub, sub.search)
+                runs.append((ev.key(ev.report(trial)), mode, trial, sub.log, [a for r in sub.trace for a in r]))
             _, mode, best, _, _ = min(runs, key=lambda r: r[0])
             for r in runs:
                 for e in r[3]:
                     e["mode"], e["chosen"] = r[1], r[1] == mode and config.algorithm != "mcts"
-                config.log.extend(r[3])
+                context.log.extend(r[3])
             if config.algorithm != "mcts":
                 return best
             experts = self._composites(state, axes, config, ev)
-            res = polish(state, axes, self.goal, config, share, [r[4] for r in runs] + experts)
+            res = polish(state, axes, self.goal, config, share, [r[4] for r in runs] + experts, context.cancel)
             taken = ev.key(ev.report(res.state)) <= min(r[0] for r in runs)
             if taken:
                 best = res.state.copy()
             else:  # the better of the two runs stands (the log's chosen entries are its plan)
                 for e in next(r[3] for r in runs if r[1] == mode):
                     e["chosen"] = True
-            config.log.append({"axes": list(axes), "goal": self.goal, "algorithm": config.algorithm, "mode": "refine",
-                               "chosen": taken, "from": mode, "actions": [str(a) for a in res.actions],
-                               **res.stats.to_json()})
-            config.trace.append(list(res.actions))
-            if INTERRUPTED.is_set():  # Ctrl-C: the best plan seen, fitting when one was (an expert composite
-                best = self._best_seen(state, best, experts, ev, config)  # fits where a cut-short search did not)
+            context.log.append({"axes": list(axes), "goal": self.goal, "algorithm": config.algorithm,
+                                "mode": "refine", "chosen": taken, "from": mode,
+                                "actions": [str(a) for a in res.actions], **res.stats.to_json()})
+            context.trace.append(list(res.actions))
+            if context.cancel.is_set():  # Ctrl-C: the best plan seen, fitting when one was (an expert composite
+                best = self._best_seen(state, best, experts, ev, context.log)  # fits where a cut-short one did not)
             return best
         groups = [axes] if self.mode == "joint" else [(a,) for a in axes]
         budget = config.budget.split(len(groups))
@@ -145,15 +153,15 @@ class Auto:
             # within the limit times their sizes (else it would spend itself on memory the next axis saves)
             later = math.prod(state.mesh.size(a) for g in groups[i + 1:] for a in g)
             cfg = replace(config, memory_limit=limit * later)
-            res = run_search(state, ax, self.goal, cfg, budget, seed=config.seed + i)
-            config.log.append({"axes": list(ax), "goal": self.goal, "algorithm": config.algorithm,
-                               "actions": [str(a) for a in res.actions], **res.stats.to_json()})
-            config.trace.append(list(res.actions))
+            res = run_search(state, ax, self.goal, cfg, budget, context.cancel, seed=config.seed + i)
+            context.log.append({"axes": list(ax), "goal": self.goal, "algorithm": config.algorithm,
+                                "actions": [str(a) for a in res.actions], **res.stats.to_json()})
+            context.trace.append(list(res.actions))
             state = res.state.copy()  # the next axis continues from the best plan
         return state
 
     def _best_seen(self, state: ShardingState, best: ShardingState, experts: list[list], ev: Evaluator,
-                   config: SearchConfig) -> ShardingState:
+                   entries: list[dict[str, Any]]) -> ShardingState:
         """`best`, or the expert composite (replayed from `state`) that scores better: after Ctrl-C the search's
         own plan may be one of its first phase's, made under that phase's relaxed memory limit."""
         key, chosen = ev.key(ev.report(best)), None
@@ -161,11 +169,11 @@ class Auto:
             s = replay(state, actions)
             if s is not None and (k := ev.key(ev.report(s))) < key:
                 best, key, chosen = s.copy(), k, actions
-        config.log[-1]["interrupted"] = True
+        entries[-1]["interrupted"] = True
         if chosen is not None:
-            for e in config.log:
+            for e in entries:
                 e["chosen"] = False
-            config.log.append({"axes": list(self.free_axes(state)), "goal": self.goal, "algorithm": "expert",
+            entries.append({"axes": list(self.free_axes(state)), "goal": self.goal, "algorithm": "expert",
                                "mode": "expert", "chosen": True, "actions": [str(a) for a in chosen], "episodes": 0,
                                "states": 1, "evaluations": 1, "time_s": 0.0, "propagation_time_s": 0.0,
                                "cost_time_s": 0.0})
@@ -185,21 +193,23 @@ class Auto:
 
 
 def polish(state: ShardingState, axes: tuple[str, ...], goal: str, config: SearchConfig, budget: Budget,
-           starts: list[list]) -> Result:
+           starts: list[list], cancel: threading.Event) -> Result:
     """The local search (`local.LocalSearch`: prune, then hill-climb) from each of `starts` (action lists
     from `state`), run by an `MCTS` with no share of its own: under a time budget, the time the refinement
     leaves when it reaches a local optimum goes to a tree search from `state` (then refines again)."""
     ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, goal)
-    m = MCTS(state, ev, axes, KINDS[goal], seed=config.seed + 1, prune=config.prune)  # another tree than "joint"'s
+    m = MCTS(state, ev, axes, KINDS[goal], seed=config.seed + 1, prune=config.prune,  # another tree than "joint"'s
+             cancel=cancel)
     return m.run(budget, refine=1.0, starts=starts)
 
 
 def run_search(state: ShardingState, axes: tuple[str, ...], goal: str, config: SearchConfig, budget: Budget,
-               *, seed: int = 0) -> Result:
+               cancel: threading.Event, *, seed: int = 0) -> Result:
     ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, goal, goals=config.goals)
     kinds = KINDS[goal]
     if config.algorithm == "mcts":
-        return MCTS(state, ev, axes, kinds, seed=seed, progress=config.progress, prune=config.prune).run(budget)
+        return MCTS(state, ev, axes, kinds, seed=seed, progress=config.progress, prune=config.prune,
+                    cancel=cancel).run(budget)
     fn = ALGORITHMS.get(config.algorithm)
     if fn is None:
         raise PartirError(f"unknown search algorithm {config.algorithm!r}; known: mcts, {', '.join(ALGORITHMS)}")
@@ -288,14 +298,26 @@ def plan_program(program, mesh, tactics: list, config: SearchConfig, *, schedule
                 plan.cache = {"level": "program", "key": key, "file": str(plan_cache.path("plans", key))}
                 log.info("partir_torch: plan from the cache (%s)", plan.cache["file"])
                 return plan, None
-    state = apply_schedule(program, mesh, tactics, search=config, fallback=fallback)
+    context = Context(config)
+    state = apply_schedule(program, mesh, tactics, context=context, fallback=fallback)
     report = evaluate(state, config.hw, dcn_axes=config.dcn_axes, memory_limit=config.memory_limit)
     plan = ShardingPlan.from_state(state, report, schedule=schedule, hardware=config.hw.name,
-                                   dcn_axes=config.dcn_axes, search=summarize_log(config.log))
+                                   dcn_axes=config.dcn_axes, search=summarize_log(context.log))
     plan.blocked = blocked_axes(state)
     if key is not None:
         plan_cache.write("plans", key, {"plan": plan.to_json()})
     return plan, state
+
+
+def _warn_small_budget(config: SearchConfig, entries: list[dict], elapsed: float) -> None:
+    """A time budget the search overran (each sub-search runs at least one episode) was too small to search."""
+    seconds = config.budget.seconds
+    if seconds is None or not entries or elapsed <= 2 * seconds:
+        return
+    episodes = sum(e.get("episodes", 0) for e in entries)
+    warnings.warn(f"search budget {seconds:g} s is too small for this program: the search ran {episodes} episode(s) "
+                  f"(at least one per sub-search) in {elapsed:.2f} s, and the plan is what those found; give it more "
+                  f"time (e.g. --budget {max(10, math.ceil(20 * elapsed))}s) or a number of episodes", stacklevel=4)
 
 
 def summarize_log(entries: list[dict[str, Any]]) -> dict[str, Any] | None:

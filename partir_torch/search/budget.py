@@ -1,5 +1,6 @@
 """Budgets, statistics and results of a search, shared by the tree search, the local search and the
-baselines. `INTERRUPTED` (Ctrl-C) ends every phase with its best plan (`tactics.INTERRUPTED`)."""
+baselines; Ctrl-C sets the search's cancellation token (`tactics.Context.cancel`), which ends every phase with
+its best plan."""
 
 from __future__ import annotations
 
@@ -13,16 +14,15 @@ from partir_torch.errors import PartirError
 from partir_torch.propagate import ShardingState
 from partir_torch.search.goals import Score
 from partir_torch.search.space import Action
-from partir_torch.tactics import INTERRUPTED
 
-__all__ = ["DEFAULT_EPISODES", "INTERRUPTED", "Budget", "Result", "Stats", "ctrl_c_ends_search"]
+__all__ = ["DEFAULT_EPISODES", "Budget", "Result", "Stats", "ctrl_c_ends_search"]
 
 DEFAULT_EPISODES = 200  # the budget when none is given (`Budget()`, `Budget.parse(None)`, `SearchConfig()`)
 
 
 @contextmanager
-def ctrl_c_ends_search() -> Iterator[None]:
-    """While a search runs in the main thread with Python's default Ctrl-C handling, Ctrl-C sets `INTERRUPTED`
+def ctrl_c_ends_search(cancel: threading.Event) -> Iterator[None]:
+    """While a search runs in the main thread with Python's default Ctrl-C handling, Ctrl-C sets `cancel`
     (the search then ends with its best plan) instead of raising: a KeyboardInterrupt raised while a
     finalizer runs (garbage collection of an XLA tensor, say) is printed and dropped by Python, and the
     search would run to its budget. A second Ctrl-C raises as usual. Elsewhere the search catches the
@@ -33,9 +33,9 @@ def ctrl_c_ends_search() -> Iterator[None]:
         return
 
     def handler(signum, frame) -> None:
-        if INTERRUPTED.is_set():
+        if cancel.is_set():
             signal.default_int_handler(signum, frame)
-        INTERRUPTED.set()
+        cancel.set()
 
     signal.signal(signal.SIGINT, handler)
     try:

@@ -30,10 +30,11 @@ The plans' scores are `goals.Score`s; `Score.beats` is the one comparison with t
 
 from __future__ import annotations
 
+import threading
 import time
 
 from partir_torch.propagate import ShardingState
-from partir_torch.search.budget import INTERRUPTED, Stats
+from partir_torch.search.budget import Stats
 from partir_torch.search.goals import WORST, Evaluator, Score
 from partir_torch.search.space import Action, Plans, place, rank
 from partir_torch.search.zero import ShardOptimizer
@@ -81,8 +82,9 @@ class LocalSearch:
     def __init__(self, plans: Plans, evaluator: Evaluator, axes: tuple[str, ...], kinds: frozenset[str], *,
                  prune: bool = True, simplicity: float = 0.005, elite: int = 4, widen: float | None = 3.0,
                  widen_above: int = 128, stats: Stats | None = None,
-                 mast: dict[Action, list[float]] | None = None) -> None:
+                 mast: dict[Action, list[float]] | None = None, cancel: threading.Event | None = None) -> None:
         self.plans, self.ev, self.axes, self.kinds = plans, evaluator, axes, kinds
+        self.cancel = cancel if cancel is not None else threading.Event()  # set: stop, keep the best so far
         self.prune, self.simplicity, self.elite_size = prune, simplicity, elite
         self.widen, self.widen_above = widen, widen_above
         self.stats = stats if stats is not None else Stats()
@@ -140,7 +142,7 @@ class LocalSearch:
         applied0 = self.plans.applied  # the refinement's budget unit: actions applied (and propagated)
 
         def late() -> bool:
-            return (deadline is not None and time.perf_counter() >= deadline) or INTERRUPTED.is_set()
+            return (deadline is not None and time.perf_counter() >= deadline) or self.cancel.is_set()
 
         def spent() -> bool:
             return late() or (max_evals is not None and self.plans.applied - applied0 >= max_evals)

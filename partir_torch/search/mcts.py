@@ -44,17 +44,18 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 
 from partir_torch.propagate import ShardingState
-from partir_torch.search.budget import DEFAULT_EPISODES, INTERRUPTED, Budget, Result, Stats, ctrl_c_ends_search
+from partir_torch.search.budget import DEFAULT_EPISODES, Budget, Result, Stats, ctrl_c_ends_search
 from partir_torch.search.goals import Evaluator
 from partir_torch.search.local import Fingerprint, LocalSearch, Plan, simplify
 from partir_torch.search.progress import Reporter, mode_of
 from partir_torch.search.space import Action, Plans, decided_bytes
 
-__all__ = ["DEFAULT_EPISODES", "INTERRUPTED", "MCTS", "Budget", "Result", "Stats", "simplify"]
+__all__ = ["DEFAULT_EPISODES", "MCTS", "Budget", "Result", "Stats", "simplify"]
 
 
 @dataclass
@@ -77,7 +78,9 @@ class MCTS:
     def __init__(self, root: ShardingState, evaluator: Evaluator, axes: tuple[str, ...], kinds: frozenset[str], *,
                  seed: int = 0, c: float = 0.5, rollout_depth: int = 3, p_stop: float = 0.3, max_depth: int = 12,
                  simplicity: float = 0.005, progress: bool | str | None = False, prune: bool = True, elite: int = 4,
-                 greedy_rollout: float = 0.5, widen: float | None = 3.0, widen_above: int = 128) -> None:
+                 greedy_rollout: float = 0.5, widen: float | None = 3.0, widen_above: int = 128,
+                 cancel: threading.Event | None = None) -> None:
+        self.cancel = cancel if cancel is not None else threading.Event()  # set: end with the best plan so far
         self.simplicity, self.prune, self.widen = simplicity, prune, widen
         self.widen_above = widen_above
         self.ev, self.axes, self.kinds = evaluator, axes, kinds
@@ -90,7 +93,8 @@ class MCTS:
         self.plans = Plans(root)  # plans in canonical order (space.rank); counts the actions applied (propagated)
         self.mast: dict[Action, list[float]] = {}  # action -> [sum of rewards, episodes] of episodes that took it
         self.local = LocalSearch(self.plans, evaluator, axes, kinds, prune=prune, simplicity=simplicity,
-                                 elite=elite, widen=widen, widen_above=widen_above, stats=self.stats, mast=self.mast)
+                                 elite=elite, widen=widen, widen_above=widen_above, stats=self.stats, mast=self.mast,
+                                 cancel=self.cancel)
         self.root = self._node(frozenset(), root, 0, [])
         self.ref = self.local.best[0]
         self.greedy_rollout = greedy_rollout
@@ -233,10 +237,10 @@ class MCTS:
         end = None if main.seconds is None else t0 + main.seconds
         report = Reporter(mode_of(self.progress), f"MCTS on {', '.join(self.axes)}", budget)
         try:
-            with ctrl_c_ends_search(), report:  # (Ctrl-C sets INTERRUPTED: the loops below end)
-                while not INTERRUPTED.is_set():
+            with ctrl_c_ends_search(self.cancel), report:  # (Ctrl-C sets the token: the loops below end)
+                while not self.cancel.is_set():
                     while True:
-                        if INTERRUPTED.is_set():
+                        if self.cancel.is_set():
                             break
                         if main.episodes is not None and self.stats.episodes >= main.episodes:
                             break
@@ -257,7 +261,7 @@ class MCTS:
                     # the refinement ended early: search on (a refinement-only run too: its tree starts then)
                     end = time.perf_counter() + left * (1 - refine if refine < 1 else 0.8)
         except KeyboardInterrupt:  # Ctrl-C: the best plan so far is the answer (of this and every later phase)
-            INTERRUPTED.set()
+            self.cancel.set()
         self.stats.time_s = time.perf_counter() - t0
         self.stats.evaluations = self.ev.evaluations - ev0
         self.stats.cost_time_s = self.ev.cost_time_s - ct0

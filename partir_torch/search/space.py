@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from partir_torch.errors import IllegalActionError
 from partir_torch.ir.actions import Tile
@@ -104,12 +104,24 @@ def slots(program: Program) -> list[Slot]:
     return out
 
 
+@dataclass
+class _Slots:
+    """The search's slots of one analysis (`Analysis.stage`)."""
+
+    slots: list[Slot]
+
+
+@dataclass
+class _DecidedBytes:
+    """Each action's decided bytes by (target, ZeRO stage), per analysis (`Analysis.stage`)."""
+
+    bytes: dict[tuple, int] = field(default_factory=dict)
+
+
 def state_slots(state: ShardingState) -> list[Slot]:
-    """`slots` of the state's program, computed once per analysis (`Analysis.search_slots`)."""
+    """`slots` of the state's program, computed once per analysis (`Analysis.stage`)."""
     an = state.analysis
-    if an.search_slots is None:
-        an.search_slots = slots(an.program)
-    return an.search_slots
+    return an.stage(_Slots, lambda: _Slots(slots(an.program))).slots
 
 
 def candidates(state: ShardingState, axes: tuple[str, ...], kinds: frozenset[str], *,
@@ -175,7 +187,7 @@ def decided_bytes(state: ShardingState, action: Action) -> int:
     tile decides, through propagation, the activations computed from it, which its own bytes do not measure,
     so it counts the program's activation bytes on top of its own (inputs come first, larger first)."""
     p = state.program
-    cache = state.analysis.decided_bytes
+    cache = state.analysis.stage(_DecidedBytes, _DecidedBytes).bytes
     key = (action.target, isinstance(action, ShardOptimizer) and action.stage)
     got = cache.get(key)
     if got is None:

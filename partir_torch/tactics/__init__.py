@@ -11,7 +11,6 @@ from partir_torch.tactics.experts import (
     megatron_pairs,
 )
 from partir_torch.tactics.schedule import (
-    INTERRUPTED,
     Context,
     ScheduleError,
     Tactic,
@@ -24,6 +23,6 @@ from partir_torch.tactics.schedule import (
     warn_misplaced,
 )
 
-__all__ = ["FSDP", "INTERRUPTED", "BatchParallel", "Context", "Manual", "Megatron", "ScheduleError", "Tactic", "ZeRO",
+__all__ = ["FSDP", "BatchParallel", "Context", "Manual", "Megatron", "ScheduleError", "Tactic", "ZeRO",
            "apply_schedule", "linears", "megatron_pairs", "parse_schedule", "register_tactic", "registered_tactics",
            "wants_fallback", "warn_fallbacks", "warn_misplaced"]

@@ -16,14 +16,12 @@ costed on (`plan.ShardingPlan.to_state`).
 from __future__ import annotations
 
 import difflib
-import math
 import re
 import threading
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from partir_torch.errors import IllegalActionError, PartirError
 from partir_torch.ir.actions import Replicate, Tile
@@ -36,16 +34,23 @@ class ScheduleError(PartirError):
     """A schedule names an unknown tactic or axis, or cannot be parsed."""
 
 
-INTERRUPTED = threading.Event()  # set by Ctrl-C during a search: the schedule's later tactics are not applied
+S = TypeVar("S")
 
 
 @dataclass
-class Context:
-    """What a tactic gets beside the state: the search's configuration (`search.api.SearchConfig`, read by
-    `Auto`; None: its defaults), and `blocked`, where a tactic says why values it meant to shard stayed
-    replicated (the schedule's warning)."""
+class Context(Generic[S]):
+    """One application of a schedule, as its tactics see it beside the state:
+    - `search`: the search's options (a `search.api.SearchConfig`, read by `Auto`; None: its defaults);
+    - `cancel`: the cancellation token: Ctrl-C during a search sets it, the search ends with its best plan
+      and the schedule's later tactics are not applied (one token per application: nothing carries over);
+    - `log`: what the searched tactics did, one entry per sub-search (axes, goal, actions, statistics), and
+      `trace`: each entry's actions (the search's result, read by the plan and the benchmarks);
+    - `blocked`: where a tactic says why values it meant to shard stayed replicated (the schedule's warning)."""
 
-    search: Any = None
+    search: S | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    log: list[dict[str, Any]] = field(default_factory=list)
+    trace: list[list] = field(default_factory=list, repr=False)
     blocked: list[str] = field(default_factory=list)
 
 
@@ -202,21 +207,11 @@ def warn_misplaced(state: ShardingState) -> list[str]:
     return msgs
 
 
-def _warn_small_budget(config, entries: list[dict], elapsed: float) -> None:
-    """A time budget the search overran (each sub-search runs at least one episode) was too small to search."""
-    seconds = config.budget.seconds
-    if seconds is None or not entries or elapsed <= 2 * seconds:
-        return
-    episodes = sum(e.get("episodes", 0) for e in entries)
-    warnings.warn(f"search budget {seconds:g} s is too small for this program: the search ran {episodes} episode(s) "
-                  f"(at least one per sub-search) in {elapsed:.2f} s, and the plan is what those found; give it more "
-                  f"time (e.g. --budget {max(10, math.ceil(20 * elapsed))}s) or a number of episodes", stacklevel=3)
-
-
 def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallback: bool = False,
-                   search=None) -> ShardingState:
+                   search: object = None, context: Context | None = None) -> ShardingState:
     """Apply a schedule to a fresh state. Ops without rules are decomposed first (`state.program` may then
-    be a re-traced program). `search` (a `SearchConfig`) sets the cost model and budget of `Auto` tactics.
+    be a re-traced program). `search` (a `SearchConfig`) sets the cost model and budget of `Auto` tactics;
+    or pass a `context` (`Context(config)`) to read the search's log from it afterwards, or to cancel it.
     An axis may be claimed by several tactics (DP then ZeRO on `batch`); each builds on the earlier ones."""
     from partir_torch.rules.decompose import prepare
     from partir_torch.tactics.experts import Manual
@@ -224,22 +219,21 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
     fallback = fallback or wants_fallback(schedule)
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else schedule
     state = ShardingState(prepare(program, fallback=fallback), mesh, fallback=fallback)
-    context = Context(search)
-    INTERRUPTED.clear()
+    if context is None:
+        context = Context(search)
+    elif search is not None:
+        raise TypeError("apply_schedule takes `search` or a `context` holding it, not both")
     for i, t in enumerate(tactics):
-        if INTERRUPTED.is_set():  # Ctrl-C in an earlier search: the later tactics are not applied
+        if context.cancel.is_set():  # Ctrl-C in an earlier search: the later tactics are not applied
             warnings.warn(f"search interrupted (Ctrl-C): the plan is the best found so far; "
                           f"{', '.join(type(x).__name__ for x in tactics[i:])} not applied", stacklevel=2)
             break
         before, made = list(state.shard), len(state.actions)
         context.blocked.clear()
         try:
-            n0, t0 = len(search.log) if search is not None else 0, time.perf_counter()
             state = t.apply(state, context)
             if not t.searched and not isinstance(t, Manual):  # one decision (its fences are not actions)
                 state.actions[made:] = [t]
-            if t.searched and search is not None:  # no config: Auto's default, a number of episodes
-                _warn_small_budget(search, search.log[n0:], time.perf_counter() - t0)
         except IllegalActionError as e:
             raise ScheduleError(f"{type(t).__name__} on {','.join(t.axes or ('*',))!r}: {e}") from e
         if t.searched:
@@ -251,9 +245,8 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
             warnings.warn(f"{name} changes nothing: {why}", stacklevel=2)
         elif blocked:
             warnings.warn(f"{name} left {len(blocked)} value(s) replicated: {'; '.join(blocked[:4])}", stacklevel=2)
-    if INTERRUPTED.is_set() and tactics and tactics[-1].searched:
+    if context.cancel.is_set() and tactics and tactics[-1].searched:
         warnings.warn("search interrupted (Ctrl-C): the plan is the best found so far", stacklevel=2)
-    INTERRUPTED.clear()  # consumed: a later search in this process runs in full
     if fallback:
         warn_fallbacks(state)
     if not all(t.searched for t in tactics):  # a searched plan pays for its axis orders knowingly

@@ -251,7 +251,7 @@ def test_a_smaller_batch_that_still_divides_is_sharded_as_planned_with_a_warning
         torch_xla.sync()
     assert "input 0 has shape [4, 16], the plan was made for [8, 16]: sharded as planned" in caplog.text
     assert float(loss.detach()) == pytest.approx(float(tagger_loss(ref, *small).detach()), rel=1e-5)
-    spec = partir_torch.input_sharding(plan, 0)
+    spec = partir_torch.api.input_sharding(plan, 0)
     assert spec.partition_spec == ("batch", None) and spec.can_apply(batch[0])
     partir_torch.unshard(model)
 
@@ -335,7 +335,7 @@ def test_on_the_cpu_xla_compiles_with_its_memory_aware_scheduler_or_says_why_not
 @pytest.mark.parametrize("shape,groups", [((4, 8, 5, 5), 4), ((2, 6, 7), 3), ((3, 4), 2)])
 def test_the_norm_lowerings_compute_what_torch_does(shape, groups):
     """The lowerings `shard_module` runs instead of torch_xla's batch-norm forms are the same math."""
-    from partir_torch.backends.xla import _batch_norm, _group_norm, _instance_norm, _layer_norm
+    from partir_torch.backends.xla.lowerings import _batch_norm, _group_norm, _instance_norm, _layer_norm
 
     torch.manual_seed(0)
     x = torch.randn(*shape, dtype=torch.float64)
@@ -382,7 +382,7 @@ def test_the_grouped_convolution_lowerings_compute_what_torch_does(transposed, d
                                                                    dilation, groups):
     """The backend's grouped convolutions (`xla._grouped_conv`, `_grouped_conv_transpose`, `_GroupedConv`)
     give torch's outputs and input, weight and bias gradients."""
-    from partir_torch.backends.xla import _CONV, _CONV_T, _grouped_conv, _grouped_conv_transpose
+    from partir_torch.backends.xla.lowerings import _CONV, _CONV_T, _grouped_conv, _grouped_conv_transpose
 
     torch.manual_seed(0)
     x = torch.randn(3, cin, *[9] * d, dtype=torch.float64, requires_grad=True)
@@ -595,8 +595,8 @@ def test_users_models_keep_every_call_constraint_on_the_device(name, caplog):
     """torchvision's Swin (a shifted-window mask built by item assignment inside its attention function) and
     ConvNeXt (a linear over [N, H, W, C], which the graph holds as [N*H*W, C]) meet each numbered call on the
     device as the capture did: no module loses its constraints, and training equals unsharded."""
+    from benchmarks.workloads.thirdparty import BUILDERS
     from partir_torch.backends.xla import sharded
-    from partir_torch.models.thirdparty import BUILDERS
 
     pytest.importorskip("torchvision")
     torch.manual_seed(0)
@@ -660,7 +660,8 @@ def test_a_grouped_convolution_s_weight_gradient_is_made_whole_before_it_is_tile
     (`grad_hook(..., first=replicated)`, chosen by `_grouped_conv_weights`) has XLA make it whole first."""
     import torch_xla
 
-    from partir_torch.backends.xla import _grouped_conv_weights, constrain, device_mesh, grad_hook
+    from partir_torch.backends.xla import constrain, device_mesh, grad_hook
+    from partir_torch.backends.xla.module import _grouped_conv_weights
     from partir_torch.ir import Mesh
 
     mesh = device_mesh(Mesh.parse("batch=2,model=4"))
@@ -673,7 +674,7 @@ def test_a_grouped_convolution_s_weight_gradient_is_made_whole_before_it_is_tile
     ref = model[1].weight.grad
     conv = copy.deepcopy(model[1]).to(torch_xla.device())
     conv.weight.grad = None
-    partir_torch.backends.xla._mark(conv.weight, mesh, ("batch", None, None, None))
+    partir_torch.backends.xla.runtime._mark(conv.weight, mesh, ("batch", None, None, None))
     conv.weight.register_hook(grad_hook(mesh, ("batch", None, None, None), first=(None,) * 4))
     y = constrain(conv(model[0](x).detach().to(torch_xla.device())), mesh, (None, "batch", None, None),
                   (None, "batch", None, None))
@@ -750,7 +751,7 @@ def test_auto_shard_computes_only_its_own_tensors_next_to_a_step_that_failed(mon
 
     import torch_xla
 
-    import partir_torch.backends.xla as backend
+    import partir_torch.backends.xla.runtime as backend
 
     torch.manual_seed(0)
     loss = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731

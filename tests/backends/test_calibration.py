@@ -79,7 +79,7 @@ ENTRY %step (p0: f32[4], p1: f32[8], p2: f32[16]) -> (f32[8], f32[16]) {
     ],
 )
 def test_collective_bytes_match_xla(model, schedule, expect):
-    from partir_torch.backends.calibrate import calibrate
+    from benchmarks.workloads.calibrate import calibrate
 
     c = calibrate(model, "batch=2,model=4", schedule)
     assert set(c.xla) == set(c.as_cpu) == expect
@@ -92,7 +92,7 @@ def test_collective_bytes_match_xla(model, schedule, expect):
 def test_known_deviation_layernorm_all_gathers_the_batch():
     """torch_xla's own LayerNorm becomes batch-norm-training; GSPMD all-gathers the batch around it. The
     backend runs LayerNorm as reductions instead (plain_layer_norm), which XLA keeps sharded."""
-    from partir_torch.backends.calibrate import calibrate
+    from benchmarks.workloads.calibrate import calibrate
 
     c = calibrate("tiny-gpt2", "batch=2,model=4", "batch:BatchParallel", plain_layer_norm=False)
     assert c.as_cpu["all-reduce"] == pytest.approx(c.xla["all-reduce"], rel=0.01)
@@ -104,7 +104,7 @@ def test_fused_qkv_split_is_an_exchange_not_a_gather():
     of the local block forward, and one for the gradients' concat backward); XLA gathers nothing either, does
     the forward re-layout with collective-permutes and the backward with all-to-alls (docs/cost-model.md,
     item 3). With a gather, Megatron would wrongly rank above plain DP in bytes."""
-    from partir_torch.backends.calibrate import calibrate
+    from benchmarks.workloads.calibrate import calibrate
 
     dp, mt = (calibrate("tiny-gpt2", "batch=2,model=4", s)
               for s in ("batch:BatchParallel", "batch:BatchParallel;model:Megatron"))
@@ -117,7 +117,7 @@ def test_fused_qkv_split_is_an_exchange_not_a_gather():
 
 
 def test_plans_rank_in_xla_order_of_communication_volume():
-    from partir_torch.backends.calibrate import calibrate
+    from benchmarks.workloads.calibrate import calibrate
 
     plans = ["batch:BatchParallel", "batch:BatchParallel;model:Megatron", "batch:FSDP"]  # (3 compiles: the time)
     cals = [calibrate("tiny-llama", "batch=2,model=4", p) for p in plans]

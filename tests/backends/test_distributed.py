@@ -29,8 +29,8 @@ def two():
 
 
 def build(name: str, fp64: bool):
+    from benchmarks.workloads import thirdparty
     from partir_torch import models
-    from partir_torch.models import thirdparty
 
     torch.manual_seed(0)
     model, inputs, loss_fn = (thirdparty.build(name) if name in thirdparty.NAMES

@@ -14,7 +14,8 @@ import importlib.util
 
 import pytest
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.cost import evaluate, hardware
 from partir_torch.ir import Mesh
 from partir_torch.search.api import search
@@ -69,8 +70,8 @@ def test_a_transformers_gpt2_with_its_tied_table_tiled_on_rows_trains_like_unsha
     import torch
 
     import partir_torch
+    from benchmarks.workloads.thirdparty import BUILDERS
     from partir_torch.ir import Tile
-    from partir_torch.models.thirdparty import BUILDERS
     from partir_torch.plan import ShardingPlan
     from partir_torch.propagate import ShardingState
     from partir_torch.rules.decompose import prepare

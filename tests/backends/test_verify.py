@@ -118,7 +118,7 @@ def test_an_op_in_a_model_s_own_forward_reshards_where_the_plan_does():
     the call (`plan.calls`), XLA does the same; with module boundaries alone it re-tiled the whole gradient
     and moved the slice's pieces with collective-permutes (all-to-all 2.0 of the plan's, 1.5 KiB of
     collective-permutes). The sharded steps still train like unsharded."""
-    from partir_torch import capture
+    from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.ir import Mesh, Tile
     from partir_torch.plan import ShardingPlan
@@ -160,7 +160,7 @@ def test_a_gradient_summed_over_every_axis_is_reduced_to_the_tiles_the_optimizer
     devices and sliced it (all-reduce 0.80 of the prediction, none of it over `batch`, GNS's edge MLPs);
     constrained as the optimizer reads it, XLA reduces it as planned. A bias's gradient, summed by a reduction
     and not a dot, XLA reduces over both axes at once and slices, as the prediction has it."""
-    from partir_torch import capture
+    from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.ir import Mesh, Tile
     from partir_torch.lower import lower
@@ -202,7 +202,7 @@ def test_a_stage3_weight_read_by_a_linear_its_bias_tiles_is_gathered_as_planned(
     output dim made the addmm column-parallel in the plan, gathering the weight's transpose to slice it and
     the addmm's output; XLA gathered none of the weights and all-reduced the partial input gradients (all-gather
     0.17 of the prediction, 6.0 KiB of all-reduce over `model` the plan did not have)."""
-    from partir_torch import capture
+    from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.ir import Mesh, Tile
     from partir_torch.plan import ShardingPlan
@@ -241,7 +241,7 @@ def test_the_model_s_output_is_resharded_where_the_plan_reads_it_for_the_loss():
     """The head tiled on vocab makes vocab-tiled logits, which the plan gathers for the loss's softmax.
     Constrained as the loss reads them (`plan.output`), XLA gathers them (all-gather 1.00); without, it ran
     the softmax on the tiles and gathered nothing (all-gather 0.00 of the plan's)."""
-    from partir_torch import capture
+    from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.ir import Mesh
     from partir_torch.plan import ShardingPlan
@@ -267,8 +267,9 @@ def test_a_gradient_made_tiled_and_reduce_scattered_is_constrained_as_made_first
     too, the tokens on `batch`. Each weight's gradient is made on its `model` tile as a sum over `batch` and
     reduce-scattered; constrained only to where it ends, XLA re-tiles the tokens with all-to-alls over `batch`
     instead (two, 16 KiB); constrained first as made (`plan.grads_made`), it all-reduces and slices."""
-    from partir_torch import capture, models
+    from partir_torch import models
     from partir_torch.backends.verify import verify_workload
+    from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.ir import Mesh
     from partir_torch.plan import ShardingPlan
@@ -294,8 +295,9 @@ def test_a_tied_weight_s_read_gradient_is_constrained_as_the_plan_makes_its_term
     terms as sums pending over both axes, replicated. Constrained so (`plan.read_grads`), XLA reduces them as
     predicted; without it, it makes the lookup's term on the table's tile (all-gather 1.16 of the prediction,
     all-reduce 0.94, collective-permutes)."""
-    from partir_torch import capture, models
+    from partir_torch import models
     from partir_torch.backends.verify import verify_workload
+    from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.ir import Mesh
     from partir_torch.plan import ShardingPlan
@@ -324,8 +326,9 @@ def test_searched_plans_compile_to_the_predicted_collectives(name):
     most ops meet conflicting layouts: XLA must reshard where the plan does (module inputs constrained as
     the plan reads them, operands inside a module's own forward constrained at their call, norms lowered
     without losing their sharding) and move the bytes it predicts."""
-    from partir_torch import capture, models
+    from partir_torch import models
     from partir_torch.backends.verify import verify_workload
+    from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.ir import Mesh
     from partir_torch.tactics import apply_schedule

@@ -73,14 +73,14 @@ def test_a_tensor_tiled_on_some_dims_or_over_every_axis_is_sent_by_shards():
 
 @pytest.mark.xfail(strict=True, raises=IndexError, reason="torch_xla 2.9 cannot send by shards a tensor tiled on "
                    "every dim and replicated over another mesh axis ('too many indices'; found on searched tiny-unet "
-                   "and tiny-gns plans on {batch:2, model:2, x:2}); backends/xla.py moves such a tensor whole first")
+                   "and tiny-gns plans on {batch:2, model:2, x:2}); backends/xla moves such a tensor whole first")
 def test_a_tensor_tiled_on_every_dim_and_replicated_over_an_axis_is_sent_by_shards():
     assert _send_by_shards((8, 4), ("x", "batch"))
 
 
 @pytest.mark.xfail(strict=True, raises=ValueError, reason="torch_xla 2.9 builds the sharding of a rank-6 tensor "
                    "with repeated devices ('device 0 is not unique in tile assignment'); the backend leaves such "
-                   "tensors to GSPMD (`backends/xla.MAX_RANK`)")
+                   "tensors to GSPMD (`backends/xla/runtime.MAX_RANK`)")
 def test_a_rank_6_tensor_can_be_annotated():
     import numpy as np
     import torch_xla
@@ -96,8 +96,8 @@ def test_a_rank_6_tensor_can_be_annotated():
 @pytest.mark.xfail(strict=True, reason="torch_xla 2.9 SPMD computes a grouped convolution's weight gradient wrongly "
                    "when its batch is split over one mesh axis of several: it all-reduces the autodiff's "
                    "batch_group_count convolution over every device, so the gradient is the idle axes' size "
-                   "times the true one; the backend runs such convolutions its own way (`backends/xla._GroupedConv`, "
-                   "one plain convolution per group)")
+                   "times the true one; the backend runs such convolutions its own way "
+                   "(`backends/xla/lowerings._GroupedConv`, one plain convolution per group)")
 @pytest.mark.parametrize("groups", [2, 16])
 def test_a_grouped_convolution_with_a_split_batch_has_the_right_weight_gradient(groups):
     import numpy as np

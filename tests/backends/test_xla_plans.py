@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.ir import Mesh
 from partir_torch.plan import specs
 from partir_torch.tactics import apply_schedule

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from partir_torch import capture
+from partir_torch.capture import capture
 from partir_torch.capture.draws import ScalarDraws
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from partir_torch import CaptureError, InputShapeError, UnsupportedOptimizerError, capture
+from partir_torch.capture import capture
+from partir_torch.errors import CaptureError, InputShapeError, UnsupportedOptimizerError
 
 
 class _Branchy(nn.Module):

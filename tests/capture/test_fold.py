@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.capture.fold import folded, full_names
 from partir_torch.cost import evaluate, hardware
 from partir_torch.errors import CaptureError

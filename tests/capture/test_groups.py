@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch.nn as nn
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.capture.groups import parameter_groups
 
 # Expected groups for each tiny zoo model, counted by hand from its definition:

@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import nn
 
-from partir_torch import capture
+from partir_torch.capture import capture
 from partir_torch.capture.isolation import ModelState
 
 

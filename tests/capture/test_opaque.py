@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from partir_torch import CaptureError, capture
-from partir_torch.capture.opaque import measured_flops
+from partir_torch.capture import capture
+from partir_torch.errors import CaptureError
 from partir_torch.ir import Mesh
 from partir_torch.simulate import simulate
 from partir_torch.tactics import apply_schedule
@@ -75,8 +75,9 @@ def test_fallback_captures_one_opaque_op_with_one_warning_naming_module_and_flop
     assert [op.target.endswith("_backward.default") for op in opaque] == [False, True]
     assert {op.module for op in opaque} == {"route"}
     # measured: forward 2TD²; backward = the recomputed forward + grad of input + grad of weight
-    assert measured_flops(opaque[0].target) == 2 * T * D * D
-    assert measured_flops(opaque[1].target) == 3 * 2 * T * D * D
+    assert opaque[0].flops == 2 * T * D * D
+    assert opaque[1].flops == 3 * 2 * T * D * D
+    assert all(op.flops is None for op in program.ops if op not in opaque)
 
 
 def test_opaque_step_equals_eager_torch_and_the_sharded_simulation():

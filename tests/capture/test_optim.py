@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from partir_torch import capture
+from partir_torch.capture import capture
 
 CASES = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),

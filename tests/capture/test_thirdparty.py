@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import partir_torch
-from partir_torch import capture
+from partir_torch.capture import capture
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install -e '.[thirdparty]')")
 torchvision = pytest.importorskip("torchvision", reason="torchvision not installed (pip install -e '.[thirdparty]')")
@@ -107,7 +107,7 @@ def test_library_checks_on_tensor_values_are_passed_on_the_library_s_compiled_pa
     same = capture(bert, (ids, mask, ids), _mlm_loss, "adamw", assume_compiling=True)
     assert same.content_hash() == p.content_hash()
     with pytest.warns(UserWarning, match="compiled path"):
-        plan = partir_torch.search(bert, (ids, mask, ids), "batch=2", loss_fn=_mlm_loss, budget=2)
+        plan = partir_torch.find_plan(bert, (ids, mask, ids), "batch=2", loss_fn=_mlm_loss, budget=2)
     assert plan.inputs and plan.compiling  # (auto_shard and Lightning apply it on the same path)
     no_mask = transformers.BertForMaskedLM(bert.config)  # the padding check on input ids alone (no mask given)
     with pytest.warns(UserWarning, match=r"compiled path .*pad_token_id in input_ids"):

@@ -7,7 +7,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from partir_torch import Phase, Role, capture, models
+from partir_torch import models
+from partir_torch.capture import capture
+from partir_torch.ir import Phase, Role
 
 
 def test_every_value_has_shape_dtype_and_role(tiny):

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.cost import PRESETS, HardwareError, collective_time, evaluate, hardware
 from partir_torch.ir import Mesh, Tile
 from partir_torch.lower import Collective, lower, summarize

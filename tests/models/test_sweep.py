@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("transformers", reason="transformers not installed (pip install -e '.[thirdparty]')")
 pytest.importorskip("torchvision", reason="torchvision not installed (pip install -e '.[thirdparty]')")
 
-from partir_torch import sweep
-from partir_torch.models.thirdparty import NAMES
+from benchmarks.workloads import sweep
+from benchmarks.workloads.thirdparty import NAMES
 
 pytestmark = [pytest.mark.thirdparty, pytest.mark.sweep]
 

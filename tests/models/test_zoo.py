@@ -133,7 +133,7 @@ def test_repeated_layers_are_identical_siblings(name: str) -> None:
 def test_amp_llama_keeps_fp32_masters_and_runs_bf16() -> None:
     """`amp`: fp32 parameters, gradients and Adam states; the forward's matmuls, residual stream and saved
     activations in bf16 (what the cost model then counts at 2 bytes)."""
-    from partir_torch import capture
+    from partir_torch.capture import capture
     from partir_torch.ir import Role
 
     model, inputs, loss_fn = build("tiny-llama", {"amp": "true"})

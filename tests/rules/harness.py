@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from partir_torch import Role, capture
-from partir_torch.ir import Mesh, Tile
+from partir_torch.capture import capture
+from partir_torch.ir import Mesh, Role, Tile
 from partir_torch.propagate import ShardingState
 from partir_torch.rules.decompose import prepare
 from partir_torch.simulate import SimResult, simulate

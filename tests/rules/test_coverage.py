@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.rules import registered, rule_for
 
 CONFIGS = [(n, a) for n in ["tiny-mlp", "tiny-unet", "tiny-gns"] for a in [None]] + [

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from partir_torch import capture
+from partir_torch.capture import capture
 from partir_torch.ir import Mesh, Tile
 from partir_torch.lower import lower
 from partir_torch.rules import base

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.cost import hardware
 from partir_torch.errors import PartirError
 from partir_torch.ir import Mesh
 from partir_torch.propagate import ShardingState
 from partir_torch.search import MCTS, Budget, Evaluator, candidates
 from partir_torch.search.baselines import ALGORITHMS, exhaustive
-from partir_torch.tactics import apply_schedule
+from partir_torch.tactics import Context, apply_schedule
 
 ALL = frozenset({"input", "param", "optimizer"})
 
@@ -93,8 +94,9 @@ def test_ablated_mcts_without_pruning_or_goals_returns_a_legal_plan(mlp):
     assert _ev().score(s)[0] == _ev().score(res.state)[0] == res.key
 
     cfg = SearchConfig(hardware("tpu-v5e"), budget=Budget(episodes=40), prune=False, goals=False)
-    state = apply_schedule(mlp, Mesh.parse("batch=4,model=2"), [Auto()], search=cfg)
-    assert len(cfg.log) == 1 and cfg.log[0]["axes"] == ["batch", "model"]  # one joint tree, no per-axis goals
+    context = Context(cfg)
+    state = apply_schedule(mlp, Mesh.parse("batch=4,model=2"), [Auto()], context=context)
+    assert len(context.log) == 1 and context.log[0]["axes"] == ["batch", "model"]  # one joint tree, no per-axis goals
     assert _ev().score(state)[0] < start
 
 
@@ -122,9 +124,10 @@ def test_seeds_agree_under_an_episode_budget(mlp):
     times = []
     for seed in range(5):
         cfg = SearchConfig(hardware("tpu-v5e"), seed=seed, budget=Budget(episodes=100))
-        state = apply_schedule(mlp, Mesh.parse("batch=4,model=2"), [Auto()], search=cfg)
+        context = Context(cfg)
+        state = apply_schedule(mlp, Mesh.parse("batch=4,model=2"), [Auto()], context=context)
         times.append(_ev().report(state).step_time_s)
-        chosen = [e["mode"] for e in cfg.log if e["chosen"]]  # the refinement, or the better run if it did not help
+        chosen = [e["mode"] for e in context.log if e["chosen"]]  # the refinement, or the better run if it did not help
         assert chosen == ["refine"] or set(chosen) in ({"incremental"}, {"joint"}), chosen
     assert max(times) <= min(times) * 1.02, times
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.cost import evaluate, hardware
 from partir_torch.ir.mesh import parse_mesh
 from partir_torch.search import Auto, Budget, SearchConfig

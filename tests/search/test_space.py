@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from partir_torch import capture, models
+from partir_torch import models
+from partir_torch.capture import capture
 from partir_torch.ir import Mesh, Tile
 from partir_torch.propagate import ShardingState
 from partir_torch.search.space import Plans, ShardOptimizer, TileLate, apply_action, candidates, replay, slots

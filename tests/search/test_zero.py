@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from partir_torch import capture
+from partir_torch.capture import capture
 from partir_torch.ir import Mesh, Tile
 from partir_torch.ir.program import Phase
 from partir_torch.lower import lower

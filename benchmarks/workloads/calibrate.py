@@ -52,7 +52,8 @@ def calibrate(model: str, mesh: str, schedule: str, *, overrides: dict[str, str]
     inputs, parameters' reads, calls inside forwards, the model's output: what `auto_shard` applies), so that
     GSPMD partitions the activations as the plan does instead of by its own heuristics. `plain_layer_norm`: run
     `nn.LayerNorm` as reductions (see `backends.xla`), not as torch_xla's batch-norm lowering."""
-    from partir_torch import capture, workload
+    from partir_torch import workload
+    from partir_torch.capture import capture
     from partir_torch.tactics import apply_schedule
 
     m = Mesh.parse(mesh)

@@ -1,6 +1,6 @@
-"""Third-party architectures at tiny sizes, for the sweep (`partir_torch/sweep.py`, `tests/models/test_sweep.py`,
-`benchmarks/models.py`): HF transformers, torchvision and timm models built from configs (never from
-downloaded weights), each with example inputs and its own training loss.
+"""Third-party architectures at tiny sizes, for the sweep (`benchmarks/workloads/sweep.py`,
+`tests/models/test_sweep.py`, `benchmarks/models.py`): HF transformers, torchvision and timm models built from
+configs (never from downloaded weights), each with example inputs and its own training loss.
 
 Sizes: 2 layers, hidden 32, 4 heads, vocabulary 128, sequences of 8 tokens, batch 4 (divisible by the
 sweep's batch axis), images of 32 px (16 px for the transformer vision models). Dropout is left at each

@@ -1,4 +1,4 @@
-"""The model sweep: each third-party architecture (`models/thirdparty.py`) through the whole pipeline.
+"""The model sweep: each third-party architecture (`benchmarks/workloads/thirdparty.py`) through the whole pipeline.
 
 For one architecture: build it from a tiny config, capture its training step with AdamW, run `coverage`,
 plan on a mesh (`Auto` on every axis, a small episode budget) — without fallback, and, when that stops on an
@@ -79,9 +79,9 @@ def _opt_states(params: dict[str, torch.Tensor], seed: int) -> dict[str, dict[st
 def run(name: str, *, mesh: str = "batch=2,model=2", budget: int = 30, seed: int = 0,
         simulate_plan: bool = True) -> SweepResult:
     """One architecture through build, capture, coverage, plan (and fallback plan), simulate."""
+    from benchmarks.workloads import thirdparty
     from partir_torch.ir import Mesh
     from partir_torch.lower import lower, summarize
-    from partir_torch.models import thirdparty
     from partir_torch.rules.base import MissingRuleError
     from partir_torch.rules.decompose import coverage
     from partir_torch.simulate import simulate

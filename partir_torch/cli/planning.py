@@ -1,0 +1,180 @@
+"""The commands that make and compare plans: `plan` (with the plan cache's request level) and `diff`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from partir_torch.errors import PartirError
+
+if TYPE_CHECKING:
+    from partir_torch.plan import ShardingPlan
+
+def _parse_bytes(text: str) -> float:
+    from partir_torch.cost.hardware import parse_bytes
+
+    return parse_bytes(text)
+
+
+def parse_mesh(text: str):
+    """`batch=4:dcn,model=8`: an axis marked `:dcn` crosses slices / nodes (DCN, InfiniBand)."""
+    from partir_torch.ir.mesh import parse_mesh as parse
+
+    return parse(text)
+
+
+def _is_factory(model: str) -> bool:
+    """MODEL is `file.py:factory` (user code), not a zoo name."""
+    return ":" in model and model.rsplit(":", 1)[0].endswith(".py")
+
+
+def _workload_record(args: argparse.Namespace) -> dict[str, Any]:
+    """What the plan was made for, as `verify` reloads it from any directory."""
+    model = args.model
+    if _is_factory(model):
+        path, fn = model.rsplit(":", 1)
+        model = f"{os.path.abspath(path)}:{fn}"
+    return {"model": model, "config": list(args.config or [])}
+
+
+def _request_key(args: argparse.Namespace) -> str:
+    """The request-level key of the plan cache (`partir_torch/cache.py`): the command line as typed, with a
+    factory file's path made absolute; everything that decides the plan, nothing that only formats it."""
+    from partir_torch import cache
+
+    model = _workload_record(args)["model"]
+    parts = {k: getattr(args, k) for k in ("mesh", "hardware", "memory", "schedule", "seed", "budget", "algorithm",
+                                            "no_fold", "fallback", "optimizer", "assume_compiling", "devices")}
+    return cache.digest({"command": args.command, "model": model, "config": sorted(args.config or []), **parts})
+
+
+def _report(plan: ShardingPlan) -> str:
+    """What `plan` prints for a plan (without --json), as one text: the request-level cache replays it."""
+    lines = [plan.table()]
+    lines.append("at the memory peak: " + ", ".join(f"{n} ({r}) {b / 2**20:.1f} MiB"
+                                                    for n, r, b in plan.cost["top_at_peak"][:5]))
+    if plan.search:
+        s = plan.search
+        lines.append(f"search: {s['algorithm']}, {s['episodes']} episodes, {s['evaluations']} evaluations in "
+                     f"{s['time_s']:.1f} s ({s['evaluations_per_s']:.0f}/s; propagation "
+                     f"{s['propagation_time_s']:.1f} s, cost {s['cost_time_s']:.1f} s)")
+        for e in s["per_axis"]:
+            if e.get("chosen", True):
+                mode = f", {e['mode']} search" if "mode" in e else ""
+                lines.append(f"  {','.join(e['axes'])} ({e['goal']}{mode}): " + ("; ".join(e["actions"]) or "nothing"))
+    return "\n".join(lines)
+
+
+def _emit_plan(plan: dict[str, Any], text: str, args: argparse.Namespace) -> None:
+    if args.out:
+        saved = {k: v for k, v in plan.items() if k != "cache"}
+        with open(args.out, "w") as f:
+            json.dump(saved, f, indent=1)
+    if args.json:
+        json.dump(plan, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(text)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    request = None
+    # the request level serves zoo models only: a factory may read environment variables or files the request
+    # key cannot see, so its repeat is captured and served by program (never another program's plan)
+    if not args.no_cache and not args.explain and not _is_factory(args.model):  # (--explain needs the state)
+        from partir_torch import cache
+
+        request = _request_key(args)
+        hit = cache.lookup_request(request)
+        if hit is not None:  # the cached repeat: no torch, no capture, no search
+            where = cache.path("requests", request)
+            note = (f"plan from the cache (request key {request}, {where}; program key {hit['plan_key']}); "
+                    "--no-cache plans again")
+            _emit_plan({**hit["plan"], "cache": {"level": "request", "key": request, "file": str(where)}},
+                       f"{hit['text']}\n{note}", args)
+            if hit.get("error"):
+                raise PartirError(hit["error"])
+            return 0
+    return _plan_and_store(args, request)
+
+
+def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
+    from partir_torch import workload
+    from partir_torch.analysis import Analysis
+    from partir_torch.capture import capture
+    from partir_torch.cost import hardware
+    from partir_torch.errors import CaptureError
+    from partir_torch.ir.mesh import check_devices
+    from partir_torch.rules.base import MissingRuleError
+    from partir_torch.search import Budget, SearchConfig
+    from partir_torch.search.api import InfeasibleError, infeasible_message, plan_key, plan_program
+    from partir_torch.tactics import parse_schedule, wants_fallback
+
+    mesh, dcn = parse_mesh(args.mesh)
+    check_devices(mesh, args.devices)
+    hw = hardware(args.hardware)
+    tactics = parse_schedule(args.schedule, mesh)  # a bad schedule is reported before the capture
+    limit = _parse_bytes(args.memory) if args.memory else None
+    config = SearchConfig(hw, dcn, limit, args.seed, Budget.parse(args.budget), args.algorithm,
+                          progress=None)
+    model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
+    fallback = args.fallback or wants_fallback(args.schedule)
+
+    def captured(sources: bool):
+        program = capture(model, inputs, loss_fn, args.optimizer, fold=not args.no_fold,
+                          assume_compiling=args.assume_compiling, fallback=fallback, sources=sources)
+        Analysis.of(program, mesh, fallback=fallback)  # every op's rule, before the search
+        return program
+
+    try:  # without source lines (faster), unless fallback's warnings name them
+        program = captured(sources=fallback)
+    except (CaptureError, MissingRuleError):
+        if fallback:
+            raise
+        program = captured(sources=True)  # the same error, naming the line of the user's code
+    options = {"fold": not args.no_fold, "mode": None}
+    plan, state = plan_program(program, mesh, tactics, config, schedule=args.schedule, fallback=fallback,
+                               cache=not args.no_cache, options=options, need_state=args.explain)
+    plan.workload = _workload_record(args)
+    text = _report(plan)
+    error = infeasible_message(plan, mesh) if plan.search and not plan.cost["feasible"] else None
+    if request is not None:
+        from partir_torch import cache
+
+        stored = {k: v for k, v in plan.to_json().items() if k != "cache"}
+        key = plan_key(program, mesh, tactics, config, fallback=fallback, options=options)
+        cache.store_request(request, {"plan": stored, "text": text, "plan_key": key, "error": error})
+    _emit_plan(plan.to_json(), text, args)
+    if args.explain and not args.json:
+        from partir_torch.cost import evaluate
+        from partir_torch.explain import explain
+
+        print(explain(state, evaluate(state, hw, dcn_axes=dcn, memory_limit=limit), hw, dcn_axes=dcn).table())
+    if error:
+        raise InfeasibleError(error)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from partir_torch.explain import diff
+    from partir_torch.plan import ShardingPlan
+
+    plans = []
+    for path in (args.a, args.b):
+        try:
+            with open(path) as f:
+                plans.append(ShardingPlan.from_json(f.read()))
+        except (OSError, ValueError, KeyError) as e:
+            raise PartirError(f"cannot read a plan from {path}: {e!r}; write one with `partir-torch plan ... --out "
+                              f"{path}`") from e
+    d = diff(*plans)
+    if args.json:
+        json.dump(d.to_json(), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(str(d))
+    return 0
+

@@ -1,0 +1,89 @@
+"""The commands that run a plan on an engine: `train` and `verify`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING
+
+from partir_torch.cli.planning import parse_mesh
+from partir_torch.errors import PartirError
+
+if TYPE_CHECKING:
+    pass
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from partir_torch import workload
+    from partir_torch.backends.verify import verify_workload
+    from partir_torch.plan import ShardingPlan
+
+    if len(args.targets) > 2:
+        raise PartirError(f"verify takes [MODEL] PLAN, got {len(args.targets)} arguments: {args.targets}")
+    plan = ShardingPlan.load(args.targets[-1])
+    name, config = (args.targets[0] if len(args.targets) == 2 else None), args.config
+    if name is None and plan.workload is None:
+        raise PartirError(f"{args.targets[-1]} does not record its model (it was saved from Python, not by "
+                          "`partir-torch plan`); name it: partir-torch verify MODEL PLAN [--config KEY=VALUE]")
+    if name is None:
+        name, config = plan.workload["model"], config or plan.workload.get("config")
+    overrides = workload.parse_overrides(config)
+    model, inputs, _ = workload.load(name, overrides)
+    plan.check(model, inputs)  # names, shapes and divisibility before a worker is started
+    report = verify_workload(plan, name, overrides, steps=args.steps, numerics=args.numerics)
+    if args.json:
+        json.dump(report.to_json(), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(report.table())
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    import partir_torch
+    from partir_torch import workload
+    from partir_torch.ir.mesh import check_devices
+
+    mesh, _ = parse_mesh(args.mesh)
+    check_devices(mesh, args.devices)
+    partir_torch.start_runtime(args.mesh)  # before any backward of this process (see api.start_runtime)
+    torch.manual_seed(args.seed)
+    overrides = workload.parse_overrides(args.config)
+    model, inputs, loss_fn = workload.load(args.model, overrides, device="cpu")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{args.model}: {params / 1e6:.2f}M parameters, step inputs {[list(x.shape) for x in inputs]}, "
+          f"mesh {mesh}" + (f", memory limit {args.memory}" if args.memory else ""))
+    from partir_torch.capture.optim import CLASSES
+
+    cls = CLASSES[args.optimizer]
+    optimizer = cls(model.parameters(), lr=args.lr, **({"momentum": 0.9} if args.optimizer == "sgd" else {}))
+    t0 = time.perf_counter()
+    model, opt = partir_torch.auto_shard(model, inputs, args.mesh, loss_fn=loss_fn, optimizer=optimizer,
+                                         schedule=args.schedule, hardware=args.hardware, memory=args.memory,
+                                         budget=args.budget, seed=args.seed, plan=args.plan,
+                                         progress=None, cache=not args.no_cache, fallback=args.fallback)
+    plan = model.partir_plan
+    print(plan.table())
+    if plan.search:
+        print(f"search: {plan.search['episodes']} episodes in {plan.search['time_s']:.1f} s; auto_shard took "
+              f"{time.perf_counter() - t0:.1f} s in all")
+    if args.out:
+        plan.save(args.out)
+        print(f"plan saved to {args.out}")
+    from partir_torch.backends.xla import train_step
+
+    for step in range(args.steps):
+        t = time.perf_counter()
+        loss = train_step(model, opt, loss_fn, inputs)
+        print(f"step {step}: loss {float(loss.detach()):.4f} ({time.perf_counter() - t:.2f} s"
+              + (", compiling" if step == 0 else "") + ")")
+    if args.verify:
+        report = partir_torch.verify(model, inputs, numerics=args.numerics, steps=max(1, min(args.steps, 3)))
+        print(report.table())
+    return 0
+
