@@ -23,29 +23,24 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from partir_torch.cost.hardware import parse_bytes
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh, parse_mesh
+from partir_torch.options import Options
 from partir_torch.plan import ShardingPlan
 
 log = logging.getLogger(__name__)
 
 
-def plan_for(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
-             loss_fn: Callable[..., torch.Tensor], optimizer, schedule=None, hardware=None, memory=None,
-             budget=None, seed: int = 0, plan: ShardingPlan | str | os.PathLike | None = None,
-             progress: bool | str | None = None, fallback: bool = False, cache: bool = True,
-             assume_compiling: bool = False) -> tuple[ShardingPlan, Mesh]:
-    """The plan `auto_shard` applies: searched, or the one given (a `ShardingPlan` or a saved plan's path),
-    checked against the model, its example inputs and the mesh."""
+def checked_plan(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
+                 loss_fn: Callable[..., torch.Tensor], optimizer, options: Options,
+                 plan: ShardingPlan | str | os.PathLike | None = None) -> tuple[ShardingPlan, Mesh]:
+    """The plan `auto_shard` applies: searched with `options`, or the one given (a `ShardingPlan` or a saved
+    plan's path), checked against the model, its example inputs and the mesh."""
     m, dcn = parse_mesh(mesh)
     if plan is None:
         from partir_torch.search.api import search
 
-        plan = search(model, example_inputs, m, loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
-                      hardware=hardware or "cpu-virtual", memory=parse_bytes(memory), dcn_axes=dcn, seed=seed,
-                      budget=budget, progress=progress, fallback=fallback, cache=cache,
-                      assume_compiling=assume_compiling)
+        plan = search(model, example_inputs, m, loss_fn=loss_fn, optimizer=optimizer, options=options, dcn_axes=dcn)
     elif not isinstance(plan, ShardingPlan):
         plan = ShardingPlan.load(plan)
     plan.check(model, example_inputs, mesh=dict(m.axes))
@@ -74,22 +69,18 @@ def choose_backend(backend: str | None) -> str:
 
 
 def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
-               loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer, schedule=None,
-               hardware: str | None = None, memory: float | str | None = None, budget: str | int | None = None,
-               seed: int = 0, plan: ShardingPlan | str | os.PathLike | None = None,
-               progress: bool | str | None = None, fallback: bool = False, cache: bool = True,
-               assume_compiling: bool = False, backend: str | None = None,
-               compile: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+               loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer, options: Options | None = None,
+               plan: ShardingPlan | str | os.PathLike | None = None, backend: str | None = None,
+               compile: bool = False, **overrides: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Shard `model`'s training step over `mesh` and return `(model, optimizer)` to train with.
 
     `mesh`: `{"batch": 2, "model": 4}`, `"batch=2:dcn,model=4"` or a `Mesh`. `loss_fn(model, *inputs)` is the
     scalar loss of one step on `example_inputs` (targets are inputs too). `optimizer`: the user's
     torch.optim optimizer on `model.parameters()`; a new one of the same class, groups and hyperparameters
-    is returned on the sharded parameters, its states sharded as the plan says. `schedule`, `hardware`
-    (None: the preset of the accelerator found), `memory` (bytes or "16GiB"), `budget` ("30s" or episodes),
-    `seed` and `fallback` (ops without a rule run replicated, one warning each), `cache` (False: search even
-    when the plan cache holds the plan) and `assume_compiling` (the library's compiled path at capture) are
-    `search()`'s; `plan` skips the search (a `ShardingPlan` or the path of a saved one).
+    is returned on the sharded parameters, its states sharded as the plan says. `options` and keywords named
+    like its fields (`schedule`, `hardware` — None: the preset of the accelerator found —, `memory`, `budget`,
+    `seed`, `fallback`, `cache`, `assume_compiling`, ...; `options.py`) are `find_plan`'s; `plan` skips the
+    search (a `ShardingPlan` or the path of a saved one).
 
     `backend` (`choose_backend`): "torch" runs in every rank of a torch.distributed job (torchrun, or
     `partir_torch.launch.spawn`): rank 0 plans, every rank checks it holds the same plan, parameters and
@@ -100,6 +91,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     """
     if not isinstance(model, nn.Module):
         raise PartirError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    opts = Options.of(options, **overrides)
     backend = choose_backend(backend)
     if _backend_of(model) is not None:
         raise PartirError(f"{type(model).__name__} is already sharded by partir_torch; call "
@@ -116,9 +108,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
         if not isinstance(plan, (ShardingPlan, type(None))):
             plan = str(plan)
         model, opt = shard.auto_shard(model, example_inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, plan=plan,
-                                      compile=compile, fallback=fallback, hardware=hardware, schedule=schedule,
-                                      memory=parse_bytes(memory), budget=budget, seed=seed, progress=progress,
-                                      cache=cache, assume_compiling=assume_compiling)
+                                      compile=compile, options=opts)
         log.info("partir_torch: sharded %s over %s on torch.distributed\n%s", type(model).__name__, mesh,
                  model.partir_plan.table())
         return model, opt
@@ -131,11 +121,10 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     note = xla.start_runtime(m.devices)  # before the capture's backward: see `xla._probe_autograd`
     if note:
         print(note, file=sys.stderr)
-    if hardware is None:
-        hardware = xla.hardware_preset()
-    the_plan, m = plan_for(model, example_inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, schedule=schedule,
-                           hardware=hardware, memory=memory, budget=budget, seed=seed, plan=plan, progress=progress,
-                           fallback=fallback, cache=cache, assume_compiling=assume_compiling)
+    if opts.hardware is None:
+        opts = Options.of(opts, hardware=xla.hardware_preset())
+    the_plan, m = checked_plan(model, example_inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, options=opts,
+                               plan=plan)
     opt = xla.apply(model, optimizer, the_plan, xla.device_mesh(m, the_plan.dcn_axes), loss_fn=loss_fn)
     log.info("partir_torch: sharded %s over %s\n%s", type(model).__name__, m, the_plan.table())
     return model, opt

@@ -26,6 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from partir_torch.errors import PartirError
+from partir_torch.options import Options
 
 try:
     from pytorch_lightning.accelerators import Accelerator
@@ -102,9 +103,9 @@ class _Silenced:
 class AutoShardStrategy(SingleDeviceStrategy):
     """Search a sharding plan for the `LightningModule`'s training step on `mesh` and train with it.
 
-    `mesh`, `hardware`, `schedule`, `memory`, `budget`, `seed`, `plan`, `fallback`, `assume_compiling` and
-    `backend` are `auto_shard`'s (`backend="torch"`: `TorchAutoShardStrategy`, one process per device). After
-    `fit`, `strategy.plan` is the applied `ShardingPlan`."""
+    `mesh`, `options` (an `Options`, and keywords named like its fields: `budget`, `schedule`, `memory`, ...),
+    `plan` and `backend` are `auto_shard`'s (`backend="torch"`: `TorchAutoShardStrategy`, one process per
+    device). After `fit`, `strategy.plan` is the applied `ShardingPlan`."""
 
     strategy_name = "partir_auto_shard"
 
@@ -117,16 +118,13 @@ class AutoShardStrategy(SingleDeviceStrategy):
             return TorchAutoShardStrategy(mesh, **options)
         return super().__new__(cls)
 
-    def __init__(self, mesh, *, hardware: str | None = None, schedule: str | None = None,
-                 memory: float | str | None = None, budget: str | int | None = None, seed: int = 0,
-                 plan=None, fallback: bool = False, assume_compiling: bool = False,
-                 backend: str | None = None) -> None:
+    def __init__(self, mesh, *, options: Options | None = None, plan=None, backend: str | None = None,
+                 **overrides: Any) -> None:
         from partir_torch.ir.mesh import parse_mesh
 
-        self.mesh, _ = parse_mesh(mesh)  # a bad mesh is reported when the Trainer is built
+        self.mesh, _ = parse_mesh(mesh)  # a bad mesh (or option) is reported when the Trainer is built
         self._mesh_arg = mesh
-        self.options = {"hardware": hardware, "schedule": schedule, "memory": memory, "budget": budget, "seed": seed,
-                        "fallback": fallback, "assume_compiling": assume_compiling}
+        self.options = Options.of(options, **overrides)
         self.plan = plan
         self._sharded = False
         super().__init__(device=torch.device("xla", 0), accelerator=SpmdXlaAccelerator())
@@ -158,7 +156,7 @@ class AutoShardStrategy(SingleDeviceStrategy):
         return pytree.tree_unflatten(leaves, spec)
 
     def _shard(self, module, leaves: list, spec, tensors: list[int]) -> None:
-        from partir_torch.api import plan_for
+        from partir_torch.api import checked_plan
         from partir_torch.backends import xla
 
         if len(self.optimizers) != 1:
@@ -173,9 +171,10 @@ class AutoShardStrategy(SingleDeviceStrategy):
             return _loss_of(model.training_step(pytree.tree_unflatten(full, spec), 0))
 
         example = [leaves[i] for i in tensors]
+        options = self.options if self.options.hardware else Options.of(self.options, hardware=xla.hardware_preset())
         with _Silenced(module):
-            plan, m = plan_for(module, example, self._mesh_arg, loss_fn=loss_fn, optimizer=template, plan=self.plan,
-                               **self.options)
+            plan, m = checked_plan(module, example, self._mesh_arg, loss_fn=loss_fn, optimizer=template,
+                                   options=options, plan=self.plan)
         opt = xla.apply(module, template, plan, xla.device_mesh(m, plan.dcn_axes), loss_fn=loss_fn)
         self.optimizers = [opt]
         for config in self.lr_scheduler_configs:
@@ -220,11 +219,13 @@ class TorchAutoShardStrategy(DDPStrategy):
 
     strategy_name = "partir_auto_shard_torch"
 
-    def __init__(self, mesh, *, compile: bool = False, plan=None, **options: Any) -> None:
+    def __init__(self, mesh, *, options: Options | None = None, compile: bool = False, plan=None,
+                 **overrides: Any) -> None:
         from partir_torch.ir.mesh import parse_mesh
 
         self.mesh, _ = parse_mesh(mesh)
-        self._mesh_arg, self.options, self.plan, self.compile = mesh, options, plan, compile
+        self._mesh_arg, self.plan, self.compile = mesh, plan, compile
+        self.options = Options.of(options, **overrides)
         self._sharded = False
         super().__init__()
 
@@ -261,7 +262,7 @@ class TorchAutoShardStrategy(DDPStrategy):
 
         with _Silenced(module):
             _, opt = shard.auto_shard(module, [leaves[i] for i in tensors], self._mesh_arg, loss_fn=loss_fn,
-                                      optimizer=template, plan=self.plan, compile=self.compile, **self.options)
+                                      optimizer=template, plan=self.plan, compile=self.compile, options=self.options)
         self.optimizers = [opt]
         self.plan, self._sharded, self._tensors = module.partir_plan, True, tensors
         if self.global_rank == 0:

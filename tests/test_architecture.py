@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"tactics", "simulate"},
     {"cost"},
     {"plan"},  # the result type: search() returns one, so it sits below search
-    {"search", "explain"},
+    {"search", "explain", "options"},  # options: every entry point's `Options` (names cost types when typing)
     {"backends"},  # only backends import torch_xla
     {"api", "lightning", "cli", "launch", "__init__"},  # the facades
 ]

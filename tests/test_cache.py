@@ -298,9 +298,9 @@ def test_train_passes_no_cache_to_auto_shard(monkeypatch, capsys):
     monkeypatch.setattr(partir_torch, "start_runtime", lambda mesh: None)
     monkeypatch.setattr(partir_torch, "auto_shard", stub)
     assert main(["train", "tiny-mlp", "--mesh", "batch=2", "--no-cache", "--steps", "1"]) == 2
-    assert seen["cache"] is False
+    assert seen["options"].cache is False
     assert main(["train", "tiny-mlp", "--mesh", "batch=2", "--steps", "1"]) == 2
-    assert seen["cache"] is True
+    assert seen["options"].cache is True
 
 
 def test_a_mesh_that_does_not_span_the_given_devices_names_both_counts(tiny, capsys):

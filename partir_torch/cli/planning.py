@@ -9,14 +9,10 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from partir_torch.errors import PartirError
+from partir_torch.options import from_args
 
 if TYPE_CHECKING:
     from partir_torch.plan import ShardingPlan
-
-def _parse_bytes(text: str) -> float:
-    from partir_torch.cost.hardware import parse_bytes
-
-    return parse_bytes(text)
 
 
 def parse_mesh(text: str):
@@ -46,9 +42,8 @@ def _request_key(args: argparse.Namespace) -> str:
     from partir_torch import cache
 
     model = _workload_record(args)["model"]
-    parts = {k: getattr(args, k) for k in ("mesh", "hardware", "memory", "schedule", "seed", "budget", "algorithm",
-                                            "no_fold", "fallback", "optimizer", "assume_compiling", "devices")}
-    return cache.digest({"command": args.command, "model": model, "config": sorted(args.config or []), **parts})
+    return cache.digest({"command": args.command, "model": model, "config": sorted(args.config or []),
+                         "mesh": args.mesh, "optimizer": args.optimizer, **from_args(args).planning()})
 
 
 def _report(plan: ShardingPlan) -> str:
@@ -84,7 +79,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     request = None
     # the request level serves zoo models only: a factory may read environment variables or files the request
     # key cannot see, so its repeat is captured and served by program (never another program's plan)
-    if not args.no_cache and not args.explain and not _is_factory(args.model):  # (--explain needs the state)
+    if args.cache and not args.explain and not _is_factory(args.model):  # (--explain needs the state)
         from partir_torch import cache
 
         request = _request_key(args)
@@ -105,27 +100,26 @@ def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
     from partir_torch import workload
     from partir_torch.analysis import Analysis
     from partir_torch.capture import capture
-    from partir_torch.cost import hardware
     from partir_torch.errors import CaptureError
     from partir_torch.ir.mesh import check_devices
     from partir_torch.rules.base import MissingRuleError
-    from partir_torch.search import Budget, SearchConfig
+    from partir_torch.search import Auto, SearchConfig
     from partir_torch.search.api import InfeasibleError, infeasible_message, plan_key, plan_program
     from partir_torch.tactics import parse_schedule, wants_fallback
 
+    opts = from_args(args)
     mesh, dcn = parse_mesh(args.mesh)
-    check_devices(mesh, args.devices)
-    hw = hardware(args.hardware)
-    tactics = parse_schedule(args.schedule, mesh)  # a bad schedule is reported before the capture
-    limit = _parse_bytes(args.memory) if args.memory else None
-    config = SearchConfig(hw, dcn, limit, args.seed, Budget.parse(args.budget), args.algorithm,
-                          progress=None)
+    check_devices(mesh, opts.devices)
+    # a bad schedule, hardware, memory or budget is reported before the capture
+    tactics = parse_schedule(opts.schedule, mesh) if opts.schedule else [Auto(goal=opts.goal)]
+    schedule = opts.schedule or ";".join(t.text() for t in tactics)
+    config = SearchConfig.of(opts, dcn)
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
-    fallback = args.fallback or wants_fallback(args.schedule)
+    fallback = opts.fallback or wants_fallback(opts.schedule)
 
     def captured(sources: bool):
-        program = capture(model, inputs, loss_fn, args.optimizer, fold=not args.no_fold,
-                          assume_compiling=args.assume_compiling, fallback=fallback, sources=sources)
+        program = capture(model, inputs, loss_fn, args.optimizer, fold=opts.fold,
+                          assume_compiling=opts.assume_compiling, fallback=fallback, sources=sources)
         Analysis.of(program, mesh, fallback=fallback)  # every op's rule, before the search
         return program
 
@@ -135,9 +129,9 @@ def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
         if fallback:
             raise
         program = captured(sources=True)  # the same error, naming the line of the user's code
-    options = {"fold": not args.no_fold, "mode": None}
-    plan, state = plan_program(program, mesh, tactics, config, schedule=args.schedule, fallback=fallback,
-                               cache=not args.no_cache, options=options, need_state=args.explain)
+    options = {"fold": opts.fold, "mode": None}
+    plan, state = plan_program(program, mesh, tactics, config, schedule=schedule, fallback=fallback,
+                               cache=opts.cache, options=options, need_state=args.explain)
     plan.workload = _workload_record(args)
     text = _report(plan)
     error = infeasible_message(plan, mesh) if plan.search and not plan.cost["feasible"] else None
@@ -152,7 +146,9 @@ def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
         from partir_torch.cost import evaluate
         from partir_torch.explain import explain
 
-        print(explain(state, evaluate(state, hw, dcn_axes=dcn, memory_limit=limit), hw, dcn_axes=dcn).table())
+        hw = config.hw
+        report = evaluate(state, hw, dcn_axes=dcn, memory_limit=config.memory_limit)
+        print(explain(state, report, hw, dcn_axes=dcn).table())
     if error:
         raise InfeasibleError(error)
     return 0

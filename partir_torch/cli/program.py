@@ -87,7 +87,7 @@ def cmd_coverage(args: argparse.Namespace) -> int:
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
     optimizer = None if args.optimizer == "none" else args.optimizer
     program = capture(model, inputs, loss_fn if not args.inference else None, optimizer,
-                      mode="inference" if args.inference else "train", fold=not args.no_fold,
+                      mode="inference" if args.inference else "train", fold=args.fold,
                       assume_compiling=args.assume_compiling, fallback=args.fallback)
     cov = coverage(program)
     if args.json:

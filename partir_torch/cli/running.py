@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from partir_torch.cli.planning import parse_mesh
 from partir_torch.errors import PartirError
+from partir_torch.options import from_args
 
 if TYPE_CHECKING:
     pass
@@ -50,7 +51,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from partir_torch.ir.mesh import check_devices
 
     mesh, _ = parse_mesh(args.mesh)
-    check_devices(mesh, args.devices)
+    opts = from_args(args)
+    check_devices(mesh, opts.devices)
     partir_torch.start_runtime(args.mesh)  # before any backward of this process (see api.start_runtime)
     torch.manual_seed(args.seed)
     overrides = workload.parse_overrides(args.config)
@@ -64,9 +66,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     optimizer = cls(model.parameters(), lr=args.lr, **({"momentum": 0.9} if args.optimizer == "sgd" else {}))
     t0 = time.perf_counter()
     model, opt = partir_torch.auto_shard(model, inputs, args.mesh, loss_fn=loss_fn, optimizer=optimizer,
-                                         schedule=args.schedule, hardware=args.hardware, memory=args.memory,
-                                         budget=args.budget, seed=args.seed, plan=args.plan,
-                                         progress=None, cache=not args.no_cache, fallback=args.fallback)
+                                         options=opts, plan=args.plan, backend="xla")
     plan = model.partir_plan
     print(plan.table())
     if plan.search:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from partir_torch.cost.hardware import Hardware, format_bytes, parse_bytes
 from partir_torch.cost.hardware import hardware as get_hardware
 from partir_torch.errors import PartirError
+from partir_torch.options import DEFAULT_HARDWARE, Options
 from partir_torch.propagate import ShardingState
 from partir_torch.search.baselines import ALGORITHMS
 from partir_torch.search.budget import Budget, Result
@@ -58,6 +59,14 @@ class SearchConfig:
     prune: bool = True
     goals: bool = True
 
+    @classmethod
+    def of(cls, options: Options, dcn_axes: frozenset[str] = frozenset()) -> SearchConfig:
+        """The search's setting of the user's `options`, resolved: the hardware preset, the memory limit in
+        bytes, the budget."""
+        return cls(get_hardware(options.hardware or DEFAULT_HARDWARE), frozenset(dcn_axes), parse_bytes(options.memory),
+                   options.seed, Budget.parse(options.budget), options.algorithm, options.progress,
+                   prune=options.prune, goals=options.goals)
+
 
 @register_tactic("Auto")
 @dataclass(frozen=True)
@@ -82,7 +91,11 @@ class Auto:
         return cls(axes, *args)
 
     def text(self) -> str:
-        return f"{','.join(self.axes) if self.axes else '*'}:Auto({self.goal})"
+        """The schedule text that reads back as this tactic (`from_text`), defaults left out: `*:Auto`."""
+        args = [self.goal, self.mode]
+        while args and args[-1] == ("time", "both")[len(args) - 1]:
+            args.pop()
+        return f"{','.join(self.axes) if self.axes else '*'}:Auto" + (f"({', '.join(args)})" if args else "")
 
     def free_axes(self, state: ShardingState) -> tuple[str, ...]:
         if self.axes is not None:
@@ -216,45 +229,33 @@ def run_search(state: ShardingState, axes: tuple[str, ...], goal: str, config: S
     return fn(state, ev, axes, kinds, budget, seed=seed)
 
 
-def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", schedule=None,
-           hardware: str | Hardware = "cpu-virtual", memory: float | str | None = None, dcn_axes=(), seed: int = 0,
-           budget: str | int | Budget | None = None, goal: str = "time", algorithm: str = "mcts",
-           fold: bool = True, progress: bool | str | None = None, require_fit: bool = True, prune: bool = True,
-           goals: bool = True, fallback: bool = False, mode: str | None = None, cache: bool = True,
-           devices: int | None = None, assume_compiling: bool = False):
+def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", options: Options | None = None,
+           mode: str | None = None, require_fit: bool = True, dcn_axes=(), **overrides: Any):
     """Find a sharding plan for one training step of `model` on `mesh` (`{"batch": 2, "model": 4}`,
-    `"batch=2,model=4"` or a `Mesh`) and return it as a `ShardingPlan` (specs, cost report, statistics).
+    `"batch=2:dcn,model=4"` or a `Mesh`, with `dcn_axes` its cross-node axes) and return it as a
+    `ShardingPlan` (specs, cost report, statistics); `partir_torch.find_plan`.
 
-    `schedule` defaults to `Auto` on every axis; a text such as `"batch:BatchParallel;model:Auto"` mixes
-    manual tactics and search. `memory` (bytes, or a text like "16GiB") overrides the preset's device memory. With
-    `require_fit`
-    an `InfeasibleError` reports the best plan when none fits. `prune=False` / `goals=False` are the
-    ablations of `SearchConfig` (no propagation-based pruning of actions / no per-axis goals).
-    `fallback=True` (or a `fallback` entry in the schedule text) runs ops without a tile-mapping rule
-    replicated, with one warning per op naming it, its module and the communication it adds.
-    `mode="inference"` plans the forward pass only (`loss_fn` unused); without it a missing `loss_fn` is an error.
-    `cache=False` searches even when the plan cache (`partir_torch/cache.py`) holds a plan for this program and
-    setting. `devices`: the device count the mesh must have (checked before the capture). `assume_compiling`
-    is `capture`'s: libraries take their compiled path (which skips value checks such as HF's all-ones mask).
-    `progress`: None shows a live bar on a terminal and, where stderr is piped or logged, a line every few
-    seconds (budget used, best cost, episodes/s); False nothing; "bar" / "lines" either one.
+    `options` (an `Options`) and keywords named like its fields (`budget="30s"`, `schedule=...`, `memory=...`,
+    `hardware=...`, `fallback=True`, ...; they override `options`) say how: `options.py` documents each.
+    `optimizer`: a name ("adamw") or the user's torch.optim instance. With `require_fit` an `InfeasibleError`
+    reports the best plan when none fits. `mode="inference"` plans the forward pass only (`loss_fn` unused);
+    without it a missing `loss_fn` is an error.
     """
     from partir_torch.capture import capture
     from partir_torch.ir.mesh import check_devices, parse_mesh
+
+    opts = Options.of(options, **overrides)
     mesh, marked = parse_mesh(mesh)
-    check_devices(mesh, devices)
-    dcn_axes = frozenset(dcn_axes) | marked
-    hw = get_hardware(hardware)
-    memory = parse_bytes(memory)
-    tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else list(schedule or [Auto(goal=goal)])
-    config = SearchConfig(hw, frozenset(dcn_axes), memory, seed, Budget.parse(budget), algorithm, progress,
-                          prune=prune, goals=goals)
-    fallback = fallback or wants_fallback(schedule)
-    program = capture(model, example_inputs, loss_fn, optimizer, fold=fold, mode=mode, fallback=fallback,
-                      assume_compiling=assume_compiling)
+    check_devices(mesh, opts.devices)
+    config = SearchConfig.of(opts, frozenset(dcn_axes) | marked)
+    schedule = opts.schedule
+    tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else list(schedule or [Auto(goal=opts.goal)])
+    fallback = opts.fallback or wants_fallback(schedule)
+    program = capture(model, example_inputs, loss_fn, optimizer, fold=opts.fold, mode=mode, fallback=fallback,
+                      assume_compiling=opts.assume_compiling)
     text = schedule if isinstance(schedule, str) else ";".join(t.text() for t in tactics)
-    plan, _ = plan_program(program, mesh, tactics, config, schedule=text, fallback=fallback, cache=cache,
-                           options={"fold": fold, "mode": mode})
+    plan, _ = plan_program(program, mesh, tactics, config, schedule=text, fallback=fallback, cache=opts.cache,
+                           options={"fold": opts.fold, "mode": mode})
     if plan.blocked:  # said, not hidden: the table has them too
         warnings.warn(f"{len(plan.blocked)} dim(s) keep mesh axes from splitting the step: "
                       + "; ".join(b["text"] for b in plan.blocked[:3]), stacklevel=2)

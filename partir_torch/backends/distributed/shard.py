@@ -21,6 +21,7 @@ from partir_torch.backends.distributed import engine
 from partir_torch.backends.distributed.runtime import DistributedError, RankMesh, connect
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import parse_mesh
+from partir_torch.options import Options
 from partir_torch.plan import ShardingPlan
 
 
@@ -67,24 +68,27 @@ def plan_on_rank0(rm: RankMesh, make: Callable[[], ShardingPlan]) -> ShardingPla
 
 def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
                loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
-               plan: ShardingPlan | str | None = None, compile: bool = False, fallback: bool = False,
-               hardware: str | None = None, **search_options: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Plan (rank 0), agree and apply `model`'s step over `mesh` on this rank (module docstring)."""
+               options: Options, plan: ShardingPlan | str | None = None,
+               compile: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Plan (rank 0) with `options`, agree and apply `model`'s step over `mesh` on this rank (module
+    docstring)."""
     import partir_torch.search  # noqa: F401  (the search's actions, read back from a plan's decisions)
     from partir_torch.capture import capture
     from partir_torch.search.api import search
 
     m, dcn = parse_mesh(mesh)
     rm = connect(m, dcn)
-    if hardware is None:
+    if options.hardware is None:
         hardware, note = hardware_of(rm.device)
+        options = Options.of(options, hardware=hardware)
         if note and rm.rank == 0:
             print(note, file=sys.stderr)
+    fallback = options.fallback
 
     def make() -> ShardingPlan:
         if plan is None:
-            return search(model, example_inputs, m, loss_fn=loss_fn, optimizer=optimizer, hardware=hardware,
-                          dcn_axes=dcn, fallback=fallback, **search_options)
+            return search(model, example_inputs, m, loss_fn=loss_fn, optimizer=optimizer, options=options,
+                          dcn_axes=dcn)
         return plan if isinstance(plan, ShardingPlan) else ShardingPlan.load(plan)
 
     the_plan = plan_on_rank0(rm, make)
