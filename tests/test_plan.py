@@ -80,8 +80,12 @@ def test_a_saved_plan_has_everything_to_apply_it_and_loads_back(tmp_path):
     model, inputs, plan = _tiny_plan("batch=2:dcn,model=4")
     plan.save(tmp_path / "p.json")
     d = json.loads((tmp_path / "p.json").read_text())
-    assert d["format"] == 6 and d["mesh"] == {"axes": {"batch": 2, "model": 4}, "dcn": ["batch"]}
-    assert d["decisions"] == ["batch:BatchParallel", "model:Megatron"] and len(d["state_hash"]) == 16
+    assert d["format"] == 7 and d["mesh"] == {"axes": {"batch": 2, "model": 4}, "dcn": ["batch"]}
+    # the tactics' actions: each input's batch dim, then each column / row weight group (every layer at once)
+    assert d["decisions"] == ["tile(inputs[0], 0, batch)", "tile(inputs[1], 0, batch)",
+                              "tile(h.*.attn.c_attn.weight, 0, model)", "tile(h.*.attn.c_proj.weight, 1, model)",
+                              "tile(h.*.mlp.c_fc.weight, 0, model)", "tile(h.*.mlp.c_proj.weight, 1, model)"]
+    assert len(d["state_hash"]) == 16
     assert d["hardware"] == "cpu-virtual" and d["schedule"] == "batch:BatchParallel;model:Megatron"
     assert d["optimizer"] == "adamw" and len(d["program_hash"]) == 16
     assert d["input_args"] == [0, None]  # tokens reach forward() as its first argument, targets do not
@@ -97,13 +101,13 @@ def test_a_saved_plan_has_everything_to_apply_it_and_loads_back(tmp_path):
 def test_a_plan_file_of_another_format_says_what_to_do(tmp_path):
     _, _, plan = _tiny_plan()
     (tmp_path / "old.json").write_text(json.dumps({**plan.to_json(), "format": 5}))
-    with pytest.raises(PartirError, match=r"plan format 5 is not this version's \(6\).*search the plan again"):
+    with pytest.raises(PartirError, match=r"plan format 5 is not this version's \(7\).*search the plan again"):
         ShardingPlan.load(tmp_path / "old.json")
 
 
 def test_a_plan_is_its_decisions_replayed_to_the_state_it_was_costed_on():
-    """Manual tactics (their fences are not actions) and searched axes: one replay of the saved decisions gives
-    the same state (digest), and a replay that gives another state is refused (the search's ZeRO moves:
+    """Manual tactics (their actions, ZeRO's fences in its move) and searched axes: one replay of the saved
+    decisions gives the same state (digest), and a replay that gives another state is refused (the search's ZeRO moves:
     `tests/test_cli.py::test_simulate_a_saved_plan_replays_its_decisions`)."""
     from partir_torch.plan import PlanMismatchError
     from partir_torch.search.api import search

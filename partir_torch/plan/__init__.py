@@ -29,7 +29,6 @@ from partir_torch.plan.reads import (
     read_grads,
 )
 from partir_torch.propagate import ShardingState
-from partir_torch.tactics.schedule import decision_text
 
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
 
@@ -135,11 +134,12 @@ def specs(state: ShardingState) -> PlanSpecs:
     )
 
 
-FORMAT = 6  # the version of the saved plan's JSON; `load` refuses other versions (2: `calls` outs; 3: calls
+FORMAT = 7  # the version of the saved plan's JSON; `load` refuses other versions (2: `calls` outs; 3: calls
 # on constants are not numbered, `capture.attribution.Constants`; 4: a pending sum's gradient spec is where the
 # optimizer reads it, `reads.grad_shardings`; 5: `grads_made`, the tiling a reduce-scattered gradient is made
 # in, and `read_grads`, a tied weight's read's gradient; 6: `decisions` and `state_hash`, the plan is its
-# decisions, replayed to rebuild the state it was costed on)
+# decisions, replayed to rebuild the state it was costed on; 7: the decisions are actions only, a manual
+# tactic's as the actions it took)
 
 
 class PlanMismatchError(PartirError):
@@ -181,7 +181,7 @@ class ShardingPlan:
     # the program was captured with torch.compiler.is_compiling() true (`capture(assume_compiling=True)`): a
     # backend runs the model's forward so too, on the path the library takes when compiled, as captured
     compiling: bool = False
-    # the state's decisions in order (`tactics.schedule.decision_text`): replayed, they rebuild it exactly
+    # the state's decisions in order (`str(action)`, `ir.actions`): replayed, they rebuild it exactly
     decisions: list[str] = field(default_factory=list)
     state_hash: str | None = None  # `ShardingState.digest()` of that state (a replay is checked against it)
     # what the CLI built the program from ({"model": zoo name or /abs/file.py:factory, "config": [KEY=VALUE]}),
@@ -203,7 +203,7 @@ class ShardingPlan:
                    dcn_axes=sorted(dcn_axes), conflicts=[c.describe(p) for c in state.conflicts], search=search,
                    buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}), shapes=shapes,
                    input_args=list(p.input_args), optimizer=p.optimizer, program_hash=p.content_hash(),
-                   compiling=p.compiling, decisions=[decision_text(d) for d in state.actions],
+                   compiling=p.compiling, decisions=[str(d) for d in state.actions],
                    state_hash=state.digest(), **{f.name: getattr(sp, f.name) for f in fields(PlanSpecs)})
 
     @property
@@ -236,9 +236,9 @@ class ShardingPlan:
         d = json.loads(d) if isinstance(d, str) else d
         if d["format"] != FORMAT:  # (no format at all: not a plan, a KeyError)
             raise PlanMismatchError(f"plan format {d['format']!r} is not this version's ({FORMAT}): a plan is now "
-                                    "saved with its decisions, which older files lack; search the plan again with "
-                                    "this version of partir_torch (partir_torch.find_plan(...) or `partir-torch plan`) "
-                                    "and save it")
+                                    "saved with its decisions as actions, which older files lack; search the plan "
+                                    "again with this version of partir_torch (partir_torch.find_plan(...) or "
+                                    "`partir-torch plan`) and save it")
         return cls(dict(d["mesh"]["axes"]), d["params"], d["inputs"], d["optimizer_state"], d["cost"],
                    d.get("schedule"), d.get("hardware"), list(d["mesh"].get("dcn", [])), d.get("conflicts", []),
                    d.get("search"), d.get("buffers", {}), d.get("activations", {}), d.get("grads", {}),
@@ -305,12 +305,13 @@ class ShardingPlan:
         or not): its decisions replayed (`tactics.schedule.replay`), checked against `state_hash`, so a
         backend runs, and the simulator proves, exactly what was searched. A mismatch (another model, config
         or version) raises `PlanMismatchError`."""
-        from partir_torch.tactics.schedule import parse_decision, replay
+        from partir_torch.ir.actions import parse_action
+        from partir_torch.tactics.schedule import replay
 
         mesh = Mesh.of(self.mesh)
         try:
-            state = replay(program, mesh, [parse_decision(t, mesh) for t in self.decisions], fallback=fallback)
-        except PartirError as e:
+            state = replay(program, mesh, [parse_action(t) for t in self.decisions], fallback=fallback)
+        except (PartirError, ValueError) as e:
             raise PlanMismatchError(f"the plan's decisions do not apply to this program (was it made for another "
                                     f"model, config or partir_torch version?): {e}") from e
         same_program = self.program_hash is None or program.content_hash() == self.program_hash

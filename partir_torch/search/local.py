@@ -33,11 +33,11 @@ from __future__ import annotations
 import threading
 import time
 
+from partir_torch.ir.actions import ShardOptimizer
 from partir_torch.propagate import ShardingState
 from partir_torch.search.budget import Stats
 from partir_torch.search.goals import WORST, Evaluator, Score
 from partir_torch.search.space import Action, Plans, place, rank
-from partir_torch.search.zero import ShardOptimizer
 
 Plan = tuple[Score, ShardingState, list[Action]]
 Fingerprint = tuple  # the decisions themselves (compared on a hash collision, never merged by hash alone)

@@ -1,4 +1,4 @@
-"""Expert composites as starting plans: the tactic library written in the search's own actions.
+"""Expert composites as starting plans: the tactics' own actions (`tactics/experts.py`), combined per axis.
 
 The refinement of `Auto` "both" climbs from the plans of its two tree searches; a short budget on a large mesh
 can leave both in a basin worse than what an engineer would write by hand (Megatron on one axis, data
@@ -23,39 +23,20 @@ from __future__ import annotations
 import itertools
 
 from partir_torch.ir.actions import Tile
-from partir_torch.ir.sharding import divides
 from partir_torch.propagate import ShardingState
 from partir_torch.search.space import Action, rank, state_slots
-from partir_torch.search.zero import ShardOptimizer
-from partir_torch.tactics import linears, megatron_pairs
+from partir_torch.tactics import FSDP, ZeRO, batch_tiles, group_of, megatron_tiles
 
 ROLES = ("dp", "fsdp", "zero1", "megatron")
 
 
 def _megatron(state: ShardingState, axis: str) -> list[Action]:
-    """One tile per column/row weight, on its parameter slot (a group's key: every repeat at once)."""
+    """The Megatron tactic's tiles (`tactics.megatron_tiles`) whose target is a slot of the search space (a
+    parameter group's key, or an ungrouped parameter large enough to be one)."""
     p = state.program
-    slot_of: dict[str, str] = {}
-    for s in state_slots(state):
-        if s.kind != "param":
-            continue
-        group = next((g for g in p.groups if g.key == s.target), None)
-        for name in (group.params if group is not None else [s.target]):
-            slot_of[name] = s.target
-    lin = linears(p, state.rules)
-    out: dict[tuple[str, int], Action] = {}
-    for col, row in megatron_pairs(p, state.rules):
-        for w, d in ((lin[col][0], lin[col][1]), (lin[row][0], lin[row][2])):
-            target = slot_of.get(p.values[w].name)
-            if target is not None and divides(p.values[w].shape[d], state.mesh, (axis,)):
-                out.setdefault((target, d), Tile(target, d, axis))
-    return list(out.values())
-
-
-def _dp(state: ShardingState, axis: str) -> list[Action]:
-    p = state.program
-    return [Tile(p.values[v].name, 0, axis) for v in p.inputs
-            if p.values[v].shape and divides(p.values[v].shape[0], state.mesh, (axis,))]
+    targets = {s.target for s in state_slots(state) if s.kind == "param"}
+    tiles = [Tile(group_of(p, p.values[w].name), d, axis) for w, d in megatron_tiles(state, axis)]
+    return [t for t in tiles if t.target in targets]
 
 
 def composites(state: ShardingState, axes: tuple[str, ...], dcn_axes: frozenset[str] = frozenset(), *,
@@ -66,11 +47,11 @@ def composites(state: ShardingState, axes: tuple[str, ...], dcn_axes: frozenset[
     p = state.program
     per_role: dict[tuple[str, str], list[Action] | None] = {}
     for a in axes:
-        dp = _dp(state, a)
+        dp = batch_tiles(state, a)
         mega = _megatron(state, a)
         per_role[a, "dp"] = dp or None
-        per_role[a, "fsdp"] = [*dp, ShardOptimizer("*", -1, a, 3)] if dp and p.opt_states else None
-        per_role[a, "zero1"] = [*dp, ShardOptimizer("*", -1, a, 1)] if dp and p.opt_states else None
+        per_role[a, "fsdp"] = FSDP(a).actions(state) if dp and p.opt_states else None
+        per_role[a, "zero1"] = [*dp, *ZeRO(a, 1).actions(state)] if dp and p.opt_states else None
         per_role[a, "megatron"] = mega or None
     out = []
     for roles in itertools.product(ROLES, repeat=len(axes)):

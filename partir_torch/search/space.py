@@ -2,11 +2,12 @@
 
 Slots are found from roles and groups only (never names): every program input, every parameter group
 (one slot for all repeated layers) or ungrouped parameter, and, when there is an optimizer, one
-optimizer-sharding slot per parameter group (ZeRO: `ShardOptimizer`). A slot x dim x axis is a candidate
+optimizer-sharding slot per parameter group (ZeRO: `ir.actions.ShardOptimizer`). A slot x dim x axis is a candidate
 when the axis is not already used on the slot's value, not fenced there, and divides the dim (times the
 axes already on it). Actions already implied by propagation are therefore never offered again.
 
-`ShardOptimizer` (`search/zero.py`) is the ZeRO move for one parameter group or for every parameter.
+`ShardOptimizer` (`ir/actions.py`, applied by `propagate/zero.py`) is the ZeRO move for one parameter group or
+for every parameter.
 
 A plan is an action list in canonical order (`rank`, `Plans`): parameter tiles, then input tiles, then ZeRO
 moves and late parameter tiles (`TileLate`), each kind in the order chosen. Order is priority, so a search that
@@ -18,55 +19,30 @@ judged where each would go (`Plans.candidates`), and adding one replays only the
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 
 from partir_torch.errors import IllegalActionError
-from partir_torch.ir.actions import Tile
+from partir_torch.ir.actions import ShardOptimizer, Tile, TileLate
+from partir_torch.ir.actions import parse_action as ir_parse_action
 from partir_torch.ir.program import Program, Role
 from partir_torch.propagate import ShardingState
-from partir_torch.search.zero import ShardOptimizer, fits, zero_all
-from partir_torch.tactics.schedule import register_action
+from partir_torch.propagate.zero import fits, zero_all
 
 
-@dataclass(frozen=True, order=True)
-class TileLate:
-    """A parameter group's tile applied after the inputs' tiles (with the ZeRO moves, `rank` 2). Where an
-    input's tile has already decided a layer's ops on the axis, the parameter is then only stored sharded:
-    gathered where it is used, while propagation carries the tiling on into its gradient's producers and its
-    optimizer update (unlike the stage-3 ZeRO move, which fences them); where it has not, it is `Tile`."""
-
-    target: str
-    dim: int
-    axis: str
-
-    def __str__(self) -> str:
-        return f"tile({self.target}, {self.dim}, {self.axis}, late)"
-
-    def apply(self, state: ShardingState) -> None:
-        state.apply(Tile(self.target, self.dim, self.axis))
+def parse_action(text: str) -> Action:
+    """A search action back from its text (`str(action)`, as a plan's search log keeps it)."""
+    try:
+        action = ir_parse_action(text)
+    except ValueError:
+        action = None
+    if not isinstance(action, Tile | TileLate | ShardOptimizer):
+        raise ValueError(f"not a search action: {text!r} (expected tile(target, dim, axis[, late]) or "
+                         "zeroN(target, dim, 'axis'))")
+    return action
 
 
-_TILE = re.compile(r"tile\((?P<target>.+), (?P<dim>-?\d+), (?P<axis>[^,()]+)(?P<late>, late)?\)")
-_ZERO = re.compile(r"zero(?P<stage>\d)\((?P<target>.+), (?P<dim>-?\d+), '(?P<axis>[^']+)'\)")
-
-
-def parse_action(text: str) -> Tile | TileLate | ShardOptimizer:
-    """An action back from its text (`str(action)`, as a plan's search log keeps it)."""
-    if m := _TILE.fullmatch(text):
-        cls = TileLate if m["late"] else Tile
-        return cls(m["target"], int(m["dim"]), m["axis"])
-    if m := _ZERO.fullmatch(text):
-        return ShardOptimizer(m["target"], int(m["dim"]), m["axis"], int(m["stage"]))
-    raise ValueError(f"not a search action: {text!r} (expected tile(target, dim, axis[, late]) or "
-                     "zeroN(target, dim, 'axis'))")
-
-
-Action = Tile | TileLate | ShardOptimizer
-register_action(_TILE.pattern.replace("(?P<late>, late)?", ", late"))(lambda m: TileLate(m["target"], int(m["dim"]),
-                                                                                        m["axis"]))
-register_action(_ZERO.pattern)(lambda m: ShardOptimizer(m["target"], int(m["dim"]), m["axis"], int(m["stage"])))
+Action = Tile | TileLate | ShardOptimizer  # the search's moves (`Replicate` is not one)
 
 
 @dataclass(frozen=True)
@@ -210,10 +186,7 @@ def decided_bytes(state: ShardingState, action: Action) -> int:
 def apply_action(state: ShardingState, action: Action) -> bool:
     """Apply in place; False (state possibly half-changed: use a copy) when the action is illegal."""
     try:
-        if isinstance(action, ShardOptimizer | TileLate):
-            action.apply(state)
-        else:
-            state.apply(action)
+        state.apply(action)
     except IllegalActionError:
         return False
     return True

@@ -1,14 +1,18 @@
-"""Tactics and schedules: the expert strategies (`experts.py`) and how a schedule of tactics is read,
-applied and replayed (`schedule.py`)."""
+"""Tactics and schedules: the expert strategies as functions from a state to their actions (`experts.py`) and
+how a schedule of tactics is read, applied and replayed (`schedule.py`)."""
 
 from partir_torch.tactics.experts import (
     FSDP,
+    HSDP,
     BatchParallel,
     Manual,
     Megatron,
     ZeRO,
+    batch_tiles,
+    group_of,
     linears,
     megatron_pairs,
+    megatron_tiles,
 )
 from partir_torch.tactics.schedule import (
     Context,
@@ -18,11 +22,13 @@ from partir_torch.tactics.schedule import (
     parse_schedule,
     register_tactic,
     registered_tactics,
+    take,
     wants_fallback,
     warn_fallbacks,
     warn_misplaced,
 )
 
-__all__ = ["FSDP", "BatchParallel", "Context", "Manual", "Megatron", "ScheduleError", "Tactic", "ZeRO",
-           "apply_schedule", "linears", "megatron_pairs", "parse_schedule", "register_tactic", "registered_tactics",
-           "wants_fallback", "warn_fallbacks", "warn_misplaced"]
+__all__ = ["FSDP", "HSDP", "BatchParallel", "Context", "Manual", "Megatron", "ScheduleError", "Tactic", "ZeRO",
+           "apply_schedule", "batch_tiles", "group_of", "linears", "megatron_pairs", "megatron_tiles",
+           "parse_schedule", "register_tactic", "registered_tactics", "take", "wants_fallback", "warn_fallbacks",
+           "warn_misplaced"]

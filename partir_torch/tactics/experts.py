@@ -1,24 +1,24 @@
-"""The manual tactics: the expert strategies, written as actions plus propagation.
+"""The manual tactics: the expert strategies, each a function from a state to the actions it takes.
 
-A schedule is applied in order, each tactic to its fixpoint; later tactics never undo earlier decisions.
-Text form: `"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` (`ZeRO3`, `FSDP`, `DP` also read).
+A schedule is applied in order, each tactic's actions to their fixpoint; later tactics never undo earlier
+decisions. Text form: `"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` (`ZeRO3`, `FSDP`, `DP` also read).
 
-- BatchParallel(axis): tile dim 0 of every program input.
+- BatchParallel(axis): tile dim 0 of every program input that divides.
 - Megatron(axis): column/row pairs found from the program's structure: a linear (mm/addmm whose weight
   operand is a parameter, possibly transposed) whose output reaches another linear's input through ops that
   are not linears, normalizations or reductions. The first is tiled on its output features, the second on
-  its input features. No module or parameter name is read.
-- ZeRO(axis, stage): optimizer states (1), plus gradients (2), plus parameters (3) tiled on `axis` along
-  their first divisible dim. Forward and backward values are fenced (kept as they are on `axis`), so the
-  optimizer's sharding does not leak into the model's computation: sharded parameters are all-gathered
-  where they are used, gradients reduce-scattered.
+  its input features (one tile per parameter group: every repeated layer at once). No name is read.
+- ZeRO(axis, stage): the ZeRO action for every parameter (`ShardOptimizer("*", -1, axis, stage)`):
+  optimizer states (1), plus gradients (2), plus parameters (3) tiled on `axis` along their first divisible
+  dim, the forward and backward fenced so the optimizer's sharding does not leak into the model's
+  computation: sharded parameters are all-gathered where they are used, gradients reduce-scattered.
 - FSDP(axis) = BatchParallel(axis) then ZeRO(axis, 3).
+- HSDP(outer, inner): hybrid sharded data parallelism, as torch's FSDP2 `HSDP` / DeepSpeed's hpZ: the batch
+  over both axes, parameters, gradients and optimizer states sharded over `inner` only (the fast axis, within
+  a node), replicated across `outer` (a `:dcn` axis), so only the gradients' reduction crosses nodes.
 - Manual({glob: spec}): per-value specs in torch_xla's partition-spec form.
 
-Every tactic, manual or searched (`search.api.Auto`), implements one protocol, `Tactic`:
-`apply(state, context) -> state` returns the state the schedule continues from. The schedule text is read
-through a registry (`register_tactic`): a tactic class registers its names and reads its own arguments, so
-this module names no tactic of a later layer.
+The same functions give the search its expert composites to start from (`search/seeds.py`).
 """
 
 from __future__ import annotations
@@ -28,16 +28,28 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from partir_torch.ir.actions import Tile
+from partir_torch.ir.actions import Action, ShardOptimizer, Tile
 from partir_torch.ir.program import Phase, Program, Role
-from partir_torch.ir.sharding import divides, tile_count
+from partir_torch.ir.sharding import divides
 from partir_torch.propagate import ShardingState
 from partir_torch.rules.tables import CASTS, LINEAR, PAIR_STOPS, TRANSPOSES
-from partir_torch.tactics.schedule import Context, ScheduleError, register_tactic
+from partir_torch.tactics.schedule import Context, ScheduleError, register_tactic, take, why_not_tiled
+
+
+class _Taken:
+    """A manual tactic applied on its own: its actions taken on `state` (`schedule.take`), as a schedule does."""
+
+    strict: ClassVar[bool] = False  # an action that cannot be applied leaves its values replicated, with why
+
+    def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
+        raise NotImplementedError
+
+    def apply(self, state: ShardingState, context: Context | None = None) -> ShardingState:
+        return take(state, self.actions(state, context), context, strict=self.strict)
 
 
 @dataclass(frozen=True)
-class _OnOneAxis:
+class _OnOneAxis(_Taken):
     """A manual tactic: on one axis, no search."""
 
     axis: str
@@ -62,14 +74,24 @@ class _OnOneAxis:
 @register_tactic("BatchParallel", "DP")
 @dataclass(frozen=True)
 class BatchParallel(_OnOneAxis):
-    def apply(self, state: ShardingState, context: Context | None = None) -> ShardingState:
-        """Tile dim 0 of every input; why an input stayed replicated goes to `context.blocked`."""
-        blocked = context.blocked if context is not None else []
-        for v in state.program.inputs:
-            val = state.program.values[v]
-            if val.shape and not state.try_apply(Tile(val.name, 0, self.axis)) and self.axis not in state.shard[v].axes:
-                blocked.append(_why(state, v, 0, self.axis))
-        return state
+    def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
+        """A tile of dim 0 of every input that divides; why another input stays replicated goes to
+        `context.blocked`."""
+        return batch_tiles(state, self.axis, context.blocked if context is not None else None)
+
+
+def batch_tiles(state: ShardingState, axis: str, blocked: list[str] | None = None) -> list[Action]:
+    """The data-parallel tiles of `axis`: dim 0 of every input that divides (with the axes already on it)."""
+    p, out = state.program, []
+    for v in p.inputs:
+        val = p.values[v]
+        if not val.shape or axis in state.shard[v].axes:
+            continue
+        if divides(val.shape[0], state.mesh, (*state.shard[v].dims[0], axis)):
+            out.append(Tile(val.name, 0, axis))
+        elif blocked is not None:
+            blocked.append(why_not_tiled(state, v, 0, axis))
+    return out
 
 
 def _uncast(program: Program, rules, v: int) -> int:
@@ -135,45 +157,37 @@ def megatron_pairs(program: Program, rules) -> list[tuple[int, int]]:
 @register_tactic("Megatron")
 @dataclass(frozen=True)
 class Megatron(_OnOneAxis):
-    def apply(self, state: ShardingState, context: Context | None = None) -> ShardingState:
-        """Tile each column/row pair of linears; why a weight stayed replicated goes to `context.blocked`."""
-        blocked = context.blocked if context is not None else []
+    def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
+        """A tile per column/row weight (its group's: every repeated layer at once); why there is none goes
+        to `context.blocked`."""
         p, lin = state.program, linears(state.program, state.rules)
-        pairs = megatron_pairs(p, state.rules)
-        if not pairs:
-            blocked.append(f"no column/row pair of linears was found ({len(lin)} forward linears; a pair is a linear "
-                           "whose "
-                    "output feeds another's input without a normalization or reduction between them)")
-            return state
-        for col, row in pairs:
-            w1, out1, _ = lin[col]
-            w2, _, in2 = lin[row]
-            for w, d in ((w1, out1), (w2, in2)):
-                if not state.try_apply(Tile(p.values[w].name, d, self.axis)) and self.axis not in state.shard[w].axes:
-                    blocked.append(_why(state, w, d, self.axis))
-        return state
+        tiles = megatron_tiles(state, self.axis)
+        if not tiles and context is not None:
+            context.blocked.append(f"no column/row pair of linears was found ({len(lin)} forward linears; a pair is "
+                                   "a linear whose output feeds another's input without a normalization or "
+                                   "reduction between them)" if not megatron_pairs(p, state.rules) else
+                                   "no column/row weight divides by the axis")
+        return [Tile(group_of(p, p.values[w].name), d, self.axis) for w, d in tiles]
 
 
-def _why(state: ShardingState, v: int, d: int, axis: str) -> str:
-    """Why `v` could not be tiled on `axis` along `d`, and what would help."""
-    val, n = state.program.values[v], state.program.values[v].shape[d]
-    k = tile_count(state.mesh, (*state.shard[v].dims[d], axis))
-    if not divides(n, state.mesh, (*state.shard[v].dims[d], axis)):
-        return (f"{val.name} dim {d} has size {n}, not divisible by {k} (axis {axis!r}); use a size divisible by "
-                f"{k} (e.g. {n + (-n) % k}) or a smaller axis")
-    if axis in state.locked[v]:
-        return f"{val.name} is replicated on {axis!r} by an earlier tactic"
-    return f"{val.name} dim {d} conflicts with an earlier decision on {axis!r} (sharding {state.shard[v]})"
+def megatron_tiles(state: ShardingState, axis: str) -> list[tuple[int, int]]:
+    """(weight, dim) of every column/row pair's weights whose dim divides by `axis`, one per parameter group
+    (the first member: tiling a group's key tiles all its members), in the pairs' order."""
+    p, lin = state.program, linears(state.program, state.rules)
+    out: dict[tuple[str, int], tuple[int, int]] = {}
+    for col, row in megatron_pairs(p, state.rules):
+        for w, d in ((lin[col][0], lin[col][1]), (lin[row][0], lin[row][2])):
+            if divides(p.values[w].shape[d], state.mesh, (axis,)):
+                out.setdefault((group_of(p, p.values[w].name), d), (w, d))
+    return list(out.values())
 
 
-def _free_dim(state: ShardingState, v: int, axis: str) -> int | None:
-    val, sh = state.program.values[v], state.shard[v]
-    if axis in sh.axes:
-        return None
-    for d, size in enumerate(val.shape):
-        if divides(size, state.mesh, (*sh.dims[d], axis)):
-            return d
-    return None
+def group_of(program: Program, name: str) -> str:
+    """The key of the parameter group `name` belongs to (`h.*.mlp.c_fc.weight`), else `name`."""
+    for g in program.groups:
+        if name in g.params:
+            return g.key
+    return name
 
 
 @register_tactic("ZeRO")
@@ -197,48 +211,52 @@ class ZeRO(_OnOneAxis):
     def text(self) -> str:
         return f"{self.axis}:ZeRO({self.stage})"
 
-    def apply(self, state: ShardingState, context: Context | None = None) -> ShardingState:
-        """Fence the forward and backward passes on `axis` (ZeRO changes only what the optimizer holds and
-        reads; a sharded parameter is all-gathered where it is used), then tile states, grads, params."""
-        p = state.program
-        grads = set(p.grads.values())
-        fenced = [v for op in p.ops if op.phase is not Phase.OPTIMIZER for v in op.outputs
-                  if v >= 0 and not (self.stage >= 2 and v in grads)]
-        state.lock(fenced, self.axis)
-        if self.stage < 3:
-            state.lock(p.params.values(), self.axis)
-        else:
-            state.gather_at_use(p.params.values(), self.axis)
-        for name, states in p.opt_states.items():
-            per_param = [v for s, v in states.items() if s not in p.shared_states]
-            if not per_param:
-                continue
-            d = _free_dim(state, per_param[0], self.axis)
-            if d is None:
-                continue
-            targets = [p.params[name]] if self.stage == 3 else []
-            targets += per_param
-            if self.stage >= 2 and name in p.grads:
-                targets.append(p.grads[name])
-            for v in targets:
-                state.try_apply(Tile(p.values[v].name, d, self.axis))
-        return state
+    def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
+        """One action: ZeRO of every parameter with optimizer state (`ShardOptimizer("*")`, `propagate/zero.py`)."""
+        return [ShardOptimizer("*", -1, self.axis, self.stage)]
 
 
 @register_tactic("FSDP")
 @dataclass(frozen=True)
 class FSDP(_OnOneAxis):
-    def apply(self, state: ShardingState, context: Context | None = None) -> ShardingState:
-        state = BatchParallel(self.axis).apply(state, context)
-        return ZeRO(self.axis, 3).apply(state, context)
+    def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
+        return [*BatchParallel(self.axis).actions(state, context), *ZeRO(self.axis, 3).actions(state, context)]
+
+
+@register_tactic("HSDP")
+@dataclass(frozen=True)
+class HSDP(_Taken):
+    """`outer,inner:HSDP`: data parallel over both axes, FSDP (ZeRO-3) over `inner` only."""
+
+    outer: str
+    inner: str
+    searched: ClassVar[bool] = False
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (self.outer, self.inner)
+
+    @classmethod
+    def from_text(cls, axes: tuple[str, ...] | None, args: list[str]) -> HSDP:
+        if axes is None or len(axes) != 2 or args:
+            raise ScheduleError(f"HSDP takes two axes, the replicated one first (e.g. node,gpu:HSDP), and no "
+                                f"arguments; got {', '.join(axes or ('*',))} {args or ''}".rstrip())
+        return cls(*axes)
+
+    def text(self) -> str:
+        return f"{self.outer},{self.inner}:HSDP"
+
+    def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
+        return [*BatchParallel(self.outer).actions(state, context), *FSDP(self.inner).actions(state, context)]
 
 
 @dataclass(frozen=True)
-class Manual:
+class Manual(_Taken):
     """`{glob: spec}`; a spec has one entry per dim: None, an axis, or a list of axes (major to minor)."""
 
     specs: dict = field(hash=False)
     searched: ClassVar[bool] = False
+    strict: ClassVar[bool] = True  # a spec that cannot be applied is an error
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -249,8 +267,8 @@ class Manual:
     def text(self) -> str:
         return f"Manual({self.specs})"
 
-    def apply(self, state: ShardingState, context: Context | None = None) -> ShardingState:
-        p = state.program
+    def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
+        p, out = state.program, []
         for glob, spec in self.specs.items():
             hits = [v for v in p.values if fnmatch.fnmatchcase(v.name, glob) and v.role is not Role.ACTIVATION]
             if not hits:
@@ -262,5 +280,5 @@ class Manual:
                     )
                 for d, entry in enumerate(spec):
                     for axis in [] if entry is None else [entry] if isinstance(entry, str) else entry:
-                        state.apply(Tile(v.name, d, axis))
-        return state
+                        out.append(Tile(v.name, d, axis))
+        return out

@@ -1,16 +1,17 @@
 """Schedules: the `Tactic` protocol and its registry, the schedule text, applying a schedule, and the
 decisions a state records so that replaying them rebuilds it exactly (`replay`).
 
-Every tactic, manual or searched (`search.api.Auto`), implements one protocol, `Tactic`:
-`apply(state, context) -> state` returns the state the schedule continues from. The schedule text is read
+A tactic is a sequence of actions (PartIR): a manual tactic is a function from a state to the actions it
+takes (`actions(state, context)`, `ir.actions`: tiles, replications, ZeRO moves), applied in order by
+`take`; the search's tactic (`search.api.Auto`, `searched`) returns the state its search found, whose
+actions are the search's. So a schedule, an expert composite the search starts from and a searched plan are
+all action lists, and a new expert strategy is written once (`experts.py`). The schedule text is read
 through a registry (`register_tactic`): a tactic class registers its names and reads its own arguments, so
-this module names no tactic of a later layer. Actions of later layers (the search's ZeRO move) register
-how their text is read the same way (`register_action`).
+this module names no tactic of a later layer.
 
-A state's `actions` are its decisions in order: a manual tactic of a schedule is one decision (it is a
-function of the state it is applied to), each of the search's actions is one. `replay` applies them to a
-fresh state; a plan saves them as text (`decision_text`) and replays them to rebuild the state it was
-costed on (`plan.ShardingPlan.to_state`).
+A state's `actions` are its decisions in order. `replay` applies them to a fresh state; a plan saves them
+as text (`str(action)`, `ir.actions.parse_action` reads them back) and replays them to rebuild the state it
+was costed on (`plan.ShardingPlan.to_state`).
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import difflib
 import re
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from partir_torch.errors import IllegalActionError, PartirError
-from partir_torch.ir.actions import Replicate, Tile
+from partir_torch.ir.actions import Action, Tile, TileLate
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Program
+from partir_torch.ir.sharding import divides, tile_count
 from partir_torch.propagate import ShardingState
 
 
@@ -55,17 +57,55 @@ class Context(Generic[S]):
 
 
 class Tactic(Protocol):
-    """One entry of a schedule. `searched`: it searches its axes (each axis is searched at most once);
-    `axes`: the axes it decides (None: every axis the earlier tactics left free)."""
+    """One entry of a schedule. `axes`: the axes it decides (None: every axis the earlier tactics left free).
+    A manual tactic (`searched` False) has `actions(state, context) -> list[Action]` (and `strict`: an
+    illegal action of it is an error, not a value left replicated); a searched one (each axis is searched at
+    most once) has `apply(state, context) -> state`."""
 
     searched: ClassVar[bool]
 
     @property
     def axes(self) -> tuple[str, ...] | None: ...
 
-    def apply(self, state: ShardingState, context: Context | None = None) -> ShardingState: ...
-
     def text(self) -> str: ...
+
+
+def take(state: ShardingState, actions: Iterable[Action], context: Context | None = None, *,
+         strict: bool = False) -> ShardingState:
+    """Apply a manual tactic's actions in order. An illegal one is a `ScheduleError` when `strict`, else
+    skipped, and why the values it meant to shard stayed replicated goes to `context.blocked`."""
+    for a in actions:
+        try:
+            state.apply(a)
+        except (IllegalActionError, PartirError) as e:
+            if strict:
+                raise ScheduleError(f"{a}: {e}") from e
+            if context is not None:
+                context.blocked.extend(_why_not(state, a, e))
+    return state
+
+
+def _why_not(state: ShardingState, action: Action, error: Exception) -> list[str]:
+    """Why `action` could not be applied, per value it meant to tile (none when propagation tiled it anyway)."""
+    if not isinstance(action, Tile | TileLate):
+        return [str(error)]
+    out = []
+    for v in state.resolve(action.target):
+        if action.axis not in state.shard[v].axes:
+            out.append(why_not_tiled(state, v, action.dim, action.axis))
+    return out[:1]
+
+
+def why_not_tiled(state: ShardingState, v: int, d: int, axis: str) -> str:
+    """Why `v` could not be tiled on `axis` along `d`, and what would help."""
+    val, n = state.program.values[v], state.program.values[v].shape[d]
+    k = tile_count(state.mesh, (*state.shard[v].dims[d], axis))
+    if not divides(n, state.mesh, (*state.shard[v].dims[d], axis)):
+        return (f"{val.name} dim {d} has size {n}, not divisible by {k} (axis {axis!r}); use a size divisible by "
+                f"{k} (e.g. {n + (-n) % k}) or a smaller axis")
+    if axis in state.locked[v]:
+        return f"{val.name} is replicated on {axis!r} by an earlier tactic"
+    return f"{val.name} dim {d} conflicts with an earlier decision on {axis!r} (sharding {state.shard[v]})"
 
 
 # lower-case name -> reads `axes` (None for `*`) and the arguments of a schedule entry into a tactic
@@ -214,7 +254,6 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
     or pass a `context` (`Context(config)`) to read the search's log from it afterwards, or to cancel it.
     An axis may be claimed by several tactics (DP then ZeRO on `batch`); each builds on the earlier ones."""
     from partir_torch.rules.decompose import prepare
-    from partir_torch.tactics.experts import Manual
 
     fallback = fallback or wants_fallback(schedule)
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else schedule
@@ -228,12 +267,13 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
             warnings.warn(f"search interrupted (Ctrl-C): the plan is the best found so far; "
                           f"{', '.join(type(x).__name__ for x in tactics[i:])} not applied", stacklevel=2)
             break
-        before, made = list(state.shard), len(state.actions)
+        before = list(state.shard)
         context.blocked.clear()
         try:
-            state = t.apply(state, context)
-            if not t.searched and not isinstance(t, Manual):  # one decision (its fences are not actions)
-                state.actions[made:] = [t]
+            if t.searched:
+                state = t.apply(state, context)
+            else:
+                state = take(state, t.actions(state, context), context, strict=t.strict)
         except IllegalActionError as e:
             raise ScheduleError(f"{type(t).__name__} on {','.join(t.axes or ('*',))!r}: {e}") from e
         if t.searched:
@@ -255,56 +295,12 @@ def apply_schedule(program: Program, mesh: Mesh, schedule: str | list, *, fallba
 
 
 # -- decisions ---------------------------------------------------------------------------------------------
-_ACTIONS: list[tuple[re.Pattern, Callable[[re.Match], Any]]] = []  # later layers' action texts, tried first
-_TILE = re.compile(r"tile\((?P<target>.+), (?P<dim>-?\d+), (?P<axis>[^,()]+)\)")
-_REPLICATE = re.compile(r"replicate\((?P<target>.+), (?P<axis>[^,()]+)\)")
-
-
-def register_action(pattern: str):
-    """Decorator of a function from a match of `pattern` to an action (with `apply(state)`): how `replay`
-    reads a decision's text that is not a `Tile`, a `Replicate` or a schedule entry."""
-
-    def deco(fn):
-        _ACTIONS.append((re.compile(pattern), fn))
-        return fn
-
-    return deco
-
-
-def decision_text(decision: Any) -> str:
-    """A decision as a plan saves it: a tactic's schedule entry, an action's `str`."""
-    return decision.text() if hasattr(decision, "searched") else str(decision)
-
-
-def parse_decision(text: str, mesh: Mesh) -> Any:
-    """A decision back from `decision_text`."""
-    for pattern, make in _ACTIONS:
-        if m := pattern.fullmatch(text):
-            return make(m)
-    if m := _TILE.fullmatch(text):
-        return Tile(m["target"], int(m["dim"]), m["axis"])
-    if m := _REPLICATE.fullmatch(text):
-        return Replicate(m["target"], m["axis"])
-    tactics = parse_schedule(text, mesh)
-    if len(tactics) != 1:
-        raise ScheduleError(f"decision {text!r} is not one action or tactic")
-    return tactics[0]
-
-
-def replay(program: Program, mesh: Mesh, decisions: list[Any], *, fallback: bool = False) -> ShardingState:
-    """A fresh state with `decisions` (a state's `actions`, or `parse_decision`'s) applied in order: the same
-    state, propagation being a function of the decisions and their order."""
+def replay(program: Program, mesh: Mesh, decisions: list[Action], *, fallback: bool = False) -> ShardingState:
+    """A fresh state with `decisions` (a state's `actions`, or a plan's parsed back by `parse_action`) applied
+    in order: the same state, propagation being a function of the decisions and their order."""
     from partir_torch.rules.decompose import prepare
 
     state = ShardingState(prepare(program, fallback=fallback), mesh, fallback=fallback)
-    context = Context()
     for d in decisions:
-        if hasattr(d, "searched"):
-            made = len(state.actions)
-            state = d.apply(state, context)
-            state.actions[made:] = [d]
-        elif isinstance(d, Tile | Replicate):
-            state.apply(d)
-        else:
-            d.apply(state)
+        state.apply(d)
     return state

@@ -205,16 +205,16 @@ def test_a_stage3_weight_read_by_a_linear_its_bias_tiles_is_gathered_as_planned(
     from partir_torch.capture import capture
     from partir_torch.cost import evaluate, hardware
     from partir_torch.ir import Mesh, Tile
+    from partir_torch.ir.actions import ShardOptimizer
     from partir_torch.plan import ShardingPlan
     from partir_torch.propagate import ShardingState
-    from partir_torch.search.zero import ShardOptimizer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), Gated())
     batch = (torch.randn(16, 16), torch.randn(16, 32))
     state = ShardingState(capture(model, batch, gated_loss, "adamw"), Mesh.parse("batch=2,model=4"))
     state.apply(Tile("inputs[0]", 0, "batch"))
-    ShardOptimizer("*", -1, "model", 3).apply(state)
+    state.apply(ShardOptimizer("*", -1, "model", 3))
     plan = ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")), schedule="manual")
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     j = partir_torch.verify(model, batch, plan=plan, loss_fn=gated_loss, optimizer=opt, steps=2,

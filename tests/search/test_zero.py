@@ -1,5 +1,6 @@
-"""The ZeRO move (`search/zero.py`) and `tactics.ZeRO`: a stage-3 parameter is gathered where the forward reads
-it, whatever its reader's other tensors are; the step stays exact (simulator)."""
+"""The ZeRO move (`ir.actions.ShardOptimizer`, `propagate/zero.py`) and `tactics.ZeRO` (that move on every
+parameter): a stage-3 parameter is gathered where the forward reads it, whatever its reader's other tensors
+are; the step stays exact (simulator)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from torch import nn
 
 from partir_torch.capture import capture
 from partir_torch.ir import Mesh, Tile
+from partir_torch.ir.actions import ShardOptimizer
 from partir_torch.ir.program import Phase
 from partir_torch.lower import lower
 from partir_torch.propagate import ShardingState
-from partir_torch.search.zero import ShardOptimizer
 from partir_torch.simulate import simulate
 from partir_torch.tactics import apply_schedule
 
@@ -34,7 +35,7 @@ def _stage3(program, how: str) -> ShardingState:
         return apply_schedule(program, mesh, "batch:BatchParallel;model:ZeRO(3)")
     state = ShardingState(program, mesh)
     state.apply(Tile("inputs[0]", 0, "batch"))
-    ShardOptimizer("*", -1, "model", 3).apply(state)
+    state.apply(ShardOptimizer("*", -1, "model", 3))
     return state
 
 

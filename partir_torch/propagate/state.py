@@ -30,10 +30,11 @@ from dataclasses import dataclass
 
 from partir_torch.analysis import Analysis
 from partir_torch.errors import IllegalActionError, PartirError
-from partir_torch.ir.actions import Replicate, Tile
+from partir_torch.ir.actions import Action, Replicate, ShardOptimizer, Tile, TileLate
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Phase, Program
 from partir_torch.ir.sharding import Sharding, tile_count
+from partir_torch.propagate.zero import apply_zero
 from partir_torch.rules.base import OpRule
 
 
@@ -89,7 +90,7 @@ class ShardingState:
         self.locked: list[frozenset[str]] = [frozenset()] * len(program.values)
         self.gathered: dict[tuple[int, str], frozenset[int]] = {}  # (op, axis) -> parameters it reads gathered
         self.conflicts: list[Conflict] = []
-        self.actions: list[Tile | Replicate] = []
+        self.actions: list[Action] = []  # the decisions, in order: replaying them rebuilds this state
         self.changed: set[int] = set()  # values whose sharding left the replicated default
         self.record = Changes()  # the open record of changes (every write of shard[v] marks v; of assign[o] or
         # passthrough[o] marks o)
@@ -143,9 +144,17 @@ class ShardingState:
             return list(self.templates[target])
         return [self.program.value(target).id]
 
-    def apply(self, action: Tile | Replicate) -> None:
-        """Apply one action and propagate its axis to a fixpoint."""
+    def apply(self, action: Action) -> None:
+        """Apply one action and propagate its axis to a fixpoint; the state records it as one decision."""
         self.mesh.size(action.axis)  # unknown axis -> MeshError naming the mesh's axes
+        if isinstance(action, ShardOptimizer | TileLate):
+            made = len(self.actions)
+            if isinstance(action, TileLate):
+                self.apply(Tile(action.target, action.dim, action.axis))
+            else:
+                apply_zero(self, action)
+            self.actions[made:] = [action]  # its tiles follow from it
+            return
         vids = self.resolve(action.target)
         if isinstance(action, Replicate):
             for v in vids:
@@ -191,7 +200,7 @@ class ShardingState:
                     gathered[o, axis] = gathered.get((o, axis), frozenset()) | {v}
         self.gathered = gathered
 
-    def try_apply(self, action: Tile | Replicate) -> bool:
+    def try_apply(self, action: Action) -> bool:
         """Apply if legal; the search uses this to skip illegal actions."""
         try:
             self.apply(action)
