@@ -137,8 +137,8 @@ def run_cli(name: str, budget: str | None = None, seed: int = 0) -> dict:
 
 def anytime(name: str, times: list[float], seeds: int) -> dict:
     """Ratio to the best expert after each budget, per seed; a fresh analysis per search."""
-    from partir_torch.analysis import Analysis
     from partir_torch.cost import evaluate
+    from partir_torch.propagate.analysis import Analysis
     from partir_torch.search import Auto, Budget, SearchConfig
     from partir_torch.tactics import apply_schedule
 

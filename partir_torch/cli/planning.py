@@ -98,10 +98,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
     from partir_torch import workload
-    from partir_torch.analysis import Analysis
     from partir_torch.capture import capture
     from partir_torch.errors import CaptureError
     from partir_torch.ir.mesh import check_devices
+    from partir_torch.propagate.analysis import Analysis
     from partir_torch.rules.base import MissingRuleError
     from partir_torch.search import Auto, SearchConfig
     from partir_torch.search.api import InfeasibleError, infeasible_message, plan_key, plan_program

@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from partir_torch.cost.hardware import Hardware, check_mesh
-from partir_torch.cost.report import KINDS, CostReport, collective_time, op_flops
+from partir_torch.cost.report import COLLECTIVES, CostReport, collective_time, op_flops
 from partir_torch.cost.tables import Cache, Memo, Static, op_compute, tables
 from partir_torch.lower import op_needs, relayout_root
 from partir_torch.propagate import Changes, ShardingState
@@ -40,7 +40,7 @@ _WALK = 32  # records walked back to find an evaluated one; beyond, the state is
 def _refresh(state: ShardingState, st: Static, memo: Memo) -> Cache:
     """The state's cache brought up to date: redo only its dirty values and ops."""
     program = state.program
-    mark = state.seal()
+    mark = state.close_record()
     caches = st.caches
     cache = caches.get(mark)
     if cache is not None:
@@ -261,13 +261,13 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
         combo = memo.row_kind.a[r] * n_ax + ax
         wb = w * memo.row_bytes.a[r]
         if int(wb.sum()) < 2**53:  # float sums of integers below 2^53 are exact
-            totals = np.bincount(combo, weights=wb, minlength=len(KINDS) * n_ax).tolist()
+            totals = np.bincount(combo, weights=wb, minlength=len(COLLECTIVES) * n_ax).tolist()
         else:
-            totals = [int(wb[combo == c].sum()) for c in range(len(KINDS) * n_ax)]
+            totals = [int(wb[combo == c].sum()) for c in range(len(COLLECTIVES) * n_ax)]
         for c in dict.fromkeys(combo.tolist()):
-            comm_bytes.setdefault(KINDS[c // n_ax], {})[names[c % n_ax]] = int(totals[c])
+            comm_bytes.setdefault(COLLECTIVES[c // n_ax], {})[names[c % n_ax]] = int(totals[c])
         fused = (st.slot_w[win][:, None] * memo.m_fused.a[moves]).sum(axis=0).tolist()
-        comm_fused = {k: int(b) for k, b in zip(KINDS, fused) if b}
+        comm_fused = {k: int(b) for k, b in zip(COLLECTIVES, fused) if b}
         ops = st.slot_op_arr[win]
         ag = memo.m_ag.a[moves]
         has = np.flatnonzero((ag > 0) & (ops >= 0))

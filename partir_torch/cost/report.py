@@ -126,4 +126,4 @@ FLOP_TARGETS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.def
                           "aten.convolution_backward.default",
                           "aten._scaled_dot_product_flash_attention_for_cpu.default",
                           "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"})
-KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")  # the collectives, as the tables index them
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")  # the collectives, as the tables index them

@@ -13,7 +13,7 @@ import numpy as np
 
 from partir_torch.capture.fold import weights
 from partir_torch.cost.hardware import Hardware
-from partir_torch.cost.report import FLOP_TARGETS, KINDS, op_flops
+from partir_torch.cost.report import COLLECTIVES, FLOP_TARGETS, op_flops
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Op, Phase, Role
 from partir_torch.ir.sharding import Sharding, local_dim
@@ -306,7 +306,7 @@ class Memo:
         self.m_steps: list[tuple] = []
         self.m_ag = Grow(np.int64)
         self.m_rows = Grow(np.int64, (2 * len(mesh.names),))  # two slots per mesh axis (`move_ids`)
-        self.m_fused = Grow(np.int64, (len(KINDS),))  # bytes per kind in the engine's form (`lower.fused`)
+        self.m_fused = Grow(np.int64, (len(COLLECTIVES),))  # bytes per kind in the engine's form (`lower.fused`)
         # per slot: the move for the (from, to) it had last, and the collectives for the move they were made for
         self.slot_pair = np.full(st.n_slots, -1, dtype=np.int64)  # from << 32 | to
         self.slot_move = np.full(st.n_slots, -1, dtype=np.int64)
@@ -329,7 +329,7 @@ class Memo:
             r = self.rows[(axis, kind, nbytes)] = len(self.rows)
             n = self.size[axis]
             self.row_axis.append(self.axes[axis])
-            self.row_kind.append(KINDS.index(kind))
+            self.row_kind.append(COLLECTIVES.index(kind))
             self.row_bytes.append(nbytes)
             # collective_time's ring factors: t = f · bytes / bw + g · α (0 for n = 1)
             self.row_f.append(2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n)
@@ -348,7 +348,7 @@ class Memo:
                 src, dst = st.sh_list[srcs[j]], st.sh_list[dsts[j]]
                 steps, s, d = reshard(state, vals[slots[j]], src, dst)
                 by_kind = fused(src, dst, steps, st.reduction[vals[slots[j]]])
-                self.m_fused.append([by_kind.get(kind, 0) for kind in KINDS])
+                self.m_fused.append([by_kind.get(kind, 0) for kind in COLLECTIVES])
                 rows = [-1] * (2 * len(self.axes))  # two per mesh axis: a reshard moves an axis at most twice
                 for kind, axis, nbytes in steps:  # (a hierarchical all-reduce's reduce-scatter and gather back;
                     i = 2 * self.axes[axis]  # a reduce-scatter, then a misplaced gather)

@@ -28,12 +28,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from partir_torch.analysis import Analysis
 from partir_torch.errors import IllegalActionError, PartirError
 from partir_torch.ir.actions import Action, Replicate, ShardOptimizer, Tile, TileLate
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Phase, Program
 from partir_torch.ir.sharding import Sharding, tile_count
+from partir_torch.propagate.analysis import Analysis
 from partir_torch.propagate.zero import apply_zero
 from partir_torch.rules.base import OpRule
 
@@ -63,7 +63,7 @@ MOVES = {"permute", "reshape"}  # rules of pure data movement, linear in their o
 class Changes:
     """A record of what a state's decisions changed: the values whose sharding was written and the ops whose
     factor assignment or passed-through sums were, since the record before (`parent`). A state writes to
-    its open record; `ShardingState.seal` closes it. Whoever computes something from a state (the cost
+    its open record; `ShardingState.close_record` closes it. Whoever computes something from a state (the cost
     model) keys it by the closed record and later catches up along the records after it. `forked`: a
     copy of the state continues from this record too."""
 
@@ -83,7 +83,7 @@ class ShardingState:
                  analysis: Analysis | None = None) -> None:
         an = analysis if analysis is not None else Analysis.of(program, mesh, fallback=fallback)
         self.analysis, self.program, self.mesh = an, an.program, an.mesh
-        self.rules, self.touch, self.peers, self.templates = an.rules, an.touch, an.peers, an.templates
+        self.rules, self.ops_of, self.peers, self.templates = an.rules, an.ops_of, an.peers, an.templates
         self.shard = [Sharding.replicated(len(v.shape)) for v in program.values]
         self.assign: list[dict[int, tuple[str, ...]]] = [{} for _ in program.ops]
         self.passthrough: list[frozenset[str]] = [frozenset()] * len(program.ops)  # partial axes moved through
@@ -99,12 +99,12 @@ class ShardingState:
         """An independent state sharing the analysis (the search branches from it)."""
         new = object.__new__(ShardingState)
         new.analysis, new.program, new.mesh = self.analysis, self.program, self.mesh
-        new.rules, new.touch, new.peers, new.templates = self.rules, self.touch, self.peers, self.templates
+        new.rules, new.ops_of, new.peers, new.templates = self.rules, self.ops_of, self.peers, self.templates
         new.shard, new.locked, new.passthrough = list(self.shard), list(self.locked), list(self.passthrough)
         new.assign = list(self.assign)  # the dicts are copied on write (`_step`)
         new.gathered = self.gathered  # (replaced, never changed in place: `gather_at_use`)
         new.conflicts, new.actions, new.changed = list(self.conflicts), list(self.actions), set(self.changed)
-        sealed = self.seal()
+        sealed = self.close_record()
         sealed.forked = True
         new.record = Changes(sealed)
         return new
@@ -129,7 +129,7 @@ class ShardingState:
         h.update(repr(canon(self.gathered)).encode())
         return h.hexdigest()[:16]
 
-    def seal(self) -> Changes:
+    def close_record(self) -> Changes:
         """Close the open record of changes and return it (the last closed one when nothing changed since)."""
         rec = self.record
         if rec.parent is not None and not rec.values and not rec.ops:
@@ -226,7 +226,7 @@ class ShardingState:
         queued: set[int] = set()
 
         def touched(v: int) -> None:
-            for o in self.touch[v]:
+            for o in self.ops_of[v]:
                 if o not in queued:
                     queued.add(o)
                     work.append(o)
@@ -258,7 +258,7 @@ class ShardingState:
         ops = {o for o, a in enumerate(self.assign) if a}
         ops.update(o for o, p in enumerate(self.passthrough) if p)
         for v in self.changed:
-            ops.update(self.touch[v])
+            ops.update(self.ops_of[v])
         return sorted(ops)
 
     def factor_of(self, op: int, axis: str) -> int | None:

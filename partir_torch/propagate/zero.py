@@ -54,7 +54,7 @@ def _fence(state: ShardingState, action: ShardOptimizer, members: list[str]) -> 
         for v in (pv, gv):
             if v is None:
                 continue
-            for o in state.touch[v]:
+            for o in state.ops_of[v]:
                 if p.ops[o].phase is Phase.OPTIMIZER:
                     continue
                 for t in (*state.rules[o].operands, *state.rules[o].results):

@@ -4,8 +4,8 @@
 the model axis starting from the batch-parallel state; `"*:Auto"` (or `Auto(("batch", "model"))`) searches
 every axis the earlier tactics left free. Several axes are searched one after the other, each with its
 share of the budget, from the state the previous one left ("incremental", the method's), or all in one
-tree ("joint"); `benchmarks/search.py` measures both. They land in different basins on different models
-(incremental is better on GPT 6.7B, joint on GPT-2-XL and the MoE), so the default ("both") gives each
+tree ("joint"). They land in different basins on different models (`benchmarks/search.py` measures both;
+docs/search.md has the figures), so the default ("both") gives each
 30 % of the budget, then spends the last 40 % on the MCTS refinement (prune, then hill-climb; see `mcts.py`)
 from both plans and from the expert composites (`seeds.py`), over all the axes at once, and keeps the best.
 No name is read anywhere: the action space comes from roles and groups (`space.py`).
@@ -28,7 +28,7 @@ from partir_torch.options import DEFAULT_HARDWARE, Options
 from partir_torch.propagate import ShardingState
 from partir_torch.search.baselines import ALGORITHMS
 from partir_torch.search.budget import Budget, Result
-from partir_torch.search.goals import KINDS, Evaluator, check_goal
+from partir_torch.search.goals import GOAL_ACTIONS, Evaluator, check_goal
 from partir_torch.search.mcts import MCTS
 from partir_torch.search.seeds import composites
 from partir_torch.search.space import replay
@@ -144,7 +144,7 @@ class Auto:
             if config.algorithm != "mcts":
                 return best
             experts = self._composites(state, axes, config, ev)
-            res = polish(state, axes, self.goal, config, share, [r[4] for r in runs] + experts, context.cancel)
+            res = refine_from(state, axes, self.goal, config, share, [r[4] for r in runs] + experts, context.cancel)
             taken = ev.key(ev.report(res.state)) <= min(r[0] for r in runs)
             if taken:
                 best = res.state.copy()
@@ -196,7 +196,7 @@ class Auto:
                     ) -> list[list]:
         """The expert composites' actions (`seeds.py`), where the goal allows their moves; with FSDP or Megatron
         over a DCN axis too when none of the others fits in memory."""
-        if not KINDS[self.goal] >= {"input", "param", "optimizer"}:
+        if not GOAL_ACTIONS[self.goal] >= {"input", "param", "optimizer"}:
             return []
         out = [a for _, a in composites(state, axes, config.dcn_axes)]
         if set(axes) & config.dcn_axes and not any(
@@ -205,21 +205,21 @@ class Auto:
         return out
 
 
-def polish(state: ShardingState, axes: tuple[str, ...], goal: str, config: SearchConfig, budget: Budget,
-           starts: list[list], cancel: threading.Event) -> Result:
+def refine_from(state: ShardingState, axes: tuple[str, ...], goal: str, config: SearchConfig, budget: Budget,
+                starts: list[list], cancel: threading.Event) -> Result:
     """The local search (`local.LocalSearch`: prune, then hill-climb) from each of `starts` (action lists
     from `state`), run by an `MCTS` with no share of its own: under a time budget, the time the refinement
     leaves when it reaches a local optimum goes to a tree search from `state` (then refines again)."""
     ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, goal)
-    m = MCTS(state, ev, axes, KINDS[goal], seed=config.seed + 1, prune=config.prune,  # another tree than "joint"'s
-             cancel=cancel)
+    # seed + 1: another tree than "joint"'s
+    m = MCTS(state, ev, axes, GOAL_ACTIONS[goal], seed=config.seed + 1, prune=config.prune, cancel=cancel)
     return m.run(budget, refine=1.0, starts=starts)
 
 
 def run_search(state: ShardingState, axes: tuple[str, ...], goal: str, config: SearchConfig, budget: Budget,
                cancel: threading.Event, *, seed: int = 0) -> Result:
     ev = Evaluator(config.hw, config.dcn_axes, config.memory_limit, goal, goals=config.goals)
-    kinds = KINDS[goal]
+    kinds = GOAL_ACTIONS[goal]
     if config.algorithm == "mcts":
         return MCTS(state, ev, axes, kinds, seed=seed, progress=config.progress, prune=config.prune,
                     cancel=cancel).run(budget)

@@ -143,7 +143,7 @@ def _work(state: ShardingState, v: int) -> list[int]:
         if u in seen:
             continue
         seen.add(u)
-        for o in state.touch[u]:
+        for o in state.ops_of[u]:
             r = state.rules[o]
             if p.ops[o].phase is Phase.OPTIMIZER:
                 continue

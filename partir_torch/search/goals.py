@@ -26,9 +26,9 @@ from partir_torch.errors import PartirError
 from partir_torch.propagate import ShardingState
 
 GOALS = ("time", "communication", "zero")
-KINDS = {"time": frozenset({"input", "param", "optimizer"}),
-         "communication": frozenset({"input", "param", "optimizer"}),
-         "zero": frozenset({"optimizer"})}
+GOAL_ACTIONS = {"time": frozenset({"input", "param", "optimizer"}),  # the action kinds each goal may take
+                "communication": frozenset({"input", "param", "optimizer"}),
+                "zero": frozenset({"optimizer"})}
 
 
 class Score(NamedTuple):

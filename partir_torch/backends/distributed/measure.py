@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from partir_torch.backends.distributed.engine import Sharded, check_batch, rank_inputs
 from partir_torch.lower import lower, summarize
 
-KINDS = {"all_gather_into_tensor": "all-gather", "reduce_scatter_tensor": "reduce-scatter",
+COLLECTIVE_OPS = {"all_gather_into_tensor": "all-gather", "reduce_scatter_tensor": "reduce-scatter",
          "all_reduce": "all-reduce", "all_to_all_single": "all-to-all"}
 
 
@@ -34,12 +34,12 @@ class CountCollectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         ns, _, name = func._schema.name.partition("::")
-        if ns == "_c10d_functional" and name in KINDS:
+        if ns == "_c10d_functional" and name in COLLECTIVE_OPS:
             x = args[0]
             nbytes = x.numel() * x.element_size()
             if name == "all_gather_into_tensor":
                 nbytes *= args[1]
-            self.seen.append((KINDS[name], self.axis_of.get(args[-1], args[-1]), nbytes))
+            self.seen.append((COLLECTIVE_OPS[name], self.axis_of.get(args[-1], args[-1]), nbytes))
         return func(*args, **kwargs)
 
     def summary(self) -> dict[str, dict[str, int]]:

@@ -31,8 +31,8 @@ from partir_torch.backends.distributed.reshard import Exchange, run_walk
 from partir_torch.errors import PartirError
 from partir_torch.ir.program import Ref
 from partir_torch.ir.sharding import Sharding
-from partir_torch.layout import Layout, Step, walk
 from partir_torch.lower import dedup_key, pull_back, relayouts, required_operand
+from partir_torch.lower.layout import Layout, Step, walk
 from partir_torch.propagate import ShardingState
 from partir_torch.rules.base import op_tags, tensor_args, where
 from partir_torch.rules.random import SEEDED_TAG

@@ -20,7 +20,7 @@ import torch.distributed._functional_collectives as funcol
 
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
-from partir_torch.layout import Layout, Step
+from partir_torch.lower.layout import Layout, Step
 
 
 class ReshardError(PartirError):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from partir_torch.capture.fold import weights
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.sharding import Sharding
-from partir_torch.layout import misplaced, walk
+from partir_torch.lower.layout import misplaced, walk
 from partir_torch.propagate import MOVES, ShardingState
 
 

@@ -14,8 +14,8 @@ from partir_torch import models
 from partir_torch.capture import capture
 from partir_torch.ir import Mesh
 from partir_torch.ir.sharding import Sharding
-from partir_torch.layout import Layout, walk
 from partir_torch.lower import end_reshards, op_reshards, transitions
+from partir_torch.lower.layout import Layout, walk
 
 MESH = Mesh.parse("batch=2,model=2,x=2")
 

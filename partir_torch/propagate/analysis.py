@@ -36,7 +36,7 @@ class Analysis:
     mesh: Mesh
     fallback: bool = False  # ops without a rule run replicated (`rules.base.rule_for`)
     rules: list[OpRule] = field(init=False, repr=False)
-    touch: list[list[int]] = field(init=False, repr=False)  # per value: the ops whose rule reads or writes it
+    ops_of: list[list[int]] = field(init=False, repr=False)  # per value: the ops whose rule reads or writes it
     peers: dict[int, list[int]] = field(init=False, repr=False)  # value -> the same value of every repeat
     templates: dict[str, list[int]] = field(init=False, repr=False)  # group template name -> its values
     layouts: list[Layout | None] = field(init=False, repr=False)  # per op, built when read (`layout`)
@@ -57,7 +57,7 @@ class Analysis:
             for t in (*r.operands, *r.results):
                 if not touch[t.value] or touch[t.value][-1] != i:
                     touch[t.value].append(i)
-        self.touch = touch
+        self.ops_of = touch
         by_key: dict[str, list[int]] = {}
         keys = _peer_keys(program)
         for v, k in keys.items():

@@ -136,9 +136,9 @@ def test_gathers_off_one_dim_go_minor_axis_first_and_fuse_as_one():
 def test_sums_made_by_a_reduction_are_told_from_a_dot_s_through_their_relayouts():
     """`made_by_reduction` follows views back to the op that made the value: a linear's weight gradient (a dot,
     then transposed) is not, its bias's (a sum, then viewed) is; inputs and pointwise results are not."""
-    from partir_torch.analysis import Analysis
     from partir_torch.capture import capture
     from partir_torch.lower import made_by_reduction, relayouts
+    from partir_torch.propagate.analysis import Analysis
 
     net = torch.nn.Linear(8, 4)
     program = capture(net, (torch.randn(16, 8),), lambda m, x: m(x).square().mean(), "sgd")
