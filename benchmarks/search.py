@@ -52,12 +52,18 @@ SCENARIOS = {
 
 
 def experts(axes: list[str]) -> dict[str, str]:
+    """The expert schedules a practitioner would write for these axes (an expert a model cannot take, such as
+    expert parallelism without stacked experts, changes nothing and costs what the plan without it does)."""
     if len(axes) == 1:
         (b,) = axes
-        return {"DP": f"{b}:DP", "FSDP": f"{b}:FSDP", "DP+ZeRO-1": f"{b}:DP;{b}:ZeRO(1)", "Megatron": f"{b}:Megatron"}
+        return {"DP": f"{b}:DP", "FSDP": f"{b}:FSDP", "DP+ZeRO-1": f"{b}:DP;{b}:ZeRO(1)",
+                "DP+ZeRO-2": f"{b}:DP;{b}:ZeRO(2)", "Megatron": f"{b}:Megatron"}
     b, m = axes
     return {"DP": f"{b}:DP;{m}:DP", "FSDP": f"{b}:FSDP;{m}:FSDP", "Megatron": f"{m}:Megatron",
-            "MegatronxDP": f"{b}:DP;{m}:Megatron", "MegatronxDP+ZeRO-1": f"{b}:DP;{m}:Megatron;{b}:ZeRO(1)"}
+            "MegatronxDP": f"{b}:DP;{m}:Megatron", "MegatronxDP+ZeRO-1": f"{b}:DP;{m}:Megatron;{b}:ZeRO(1)",
+            "HSDP": f"{b},{m}:HSDP", "DP+ZeRO-2": f"{b}:DP;{m}:DP;{b}:ZeRO(2)",
+            "EPxDP": f"{b}:DP;{m}:DP;{m}:ExpertParallel",
+            "EPxDP+ZeRO-1": f"{b}:DP;{m}:DP;{m}:ExpertParallel;{b}:ZeRO(1)"}
 
 
 def renamed_megatron(model_name, over, mesh, hw, dcn, budget) -> dict:

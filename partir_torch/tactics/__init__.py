@@ -5,10 +5,12 @@ from partir_torch.tactics.experts import (
     FSDP,
     HSDP,
     BatchParallel,
+    ExpertParallel,
     Manual,
     Megatron,
     ZeRO,
     batch_tiles,
+    expert_weights,
     group_of,
     linears,
     megatron_pairs,
@@ -28,7 +30,7 @@ from partir_torch.tactics.schedule import (
     warn_misplaced,
 )
 
-__all__ = ["FSDP", "HSDP", "BatchParallel", "Context", "Manual", "Megatron", "ScheduleError", "Tactic", "ZeRO",
-           "apply_schedule", "batch_tiles", "group_of", "linears", "megatron_pairs", "megatron_tiles",
-           "parse_schedule", "register_tactic", "registered_tactics", "take", "wants_fallback", "warn_fallbacks",
-           "warn_misplaced"]
+__all__ = ["FSDP", "HSDP", "BatchParallel", "Context", "ExpertParallel", "Manual", "Megatron", "ScheduleError",
+           "Tactic", "ZeRO", "apply_schedule", "batch_tiles", "expert_weights", "group_of", "linears",
+           "megatron_pairs", "megatron_tiles", "parse_schedule", "register_tactic", "registered_tactics", "take",
+           "wants_fallback", "warn_fallbacks", "warn_misplaced"]

@@ -16,6 +16,11 @@ decisions. Text form: `"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` (`ZeR
 - HSDP(outer, inner): hybrid sharded data parallelism, as torch's FSDP2 `HSDP` / DeepSpeed's hpZ: the batch
   over both axes, parameters, gradients and optimizer states sharded over `inner` only (the fast axis, within
   a node), replicated across `outer` (a `:dcn` axis), so only the gradients' reduction crosses nodes.
+- ExpertParallel(axis): GShard's expert parallelism: every stacked expert weight (a rank-3 parameter that a
+  forward batched matmul reads with its batch dim as the expert dim, `[E, d, f]`) tiled on that dim; tokens
+  reach their experts through the all-to-all propagation places where the batch-split activations meet the
+  expert-split ones. Experts kept as separate modules (a `ModuleList` of linears) are not stacked weights
+  and are left to the other tactics.
 - Manual({glob: spec}): per-value specs in torch_xla's partition-spec form.
 
 The same functions give the search its expert composites to start from (`search/seeds.py`).
@@ -221,6 +226,36 @@ class ZeRO(_OnOneAxis):
 class FSDP(_OnOneAxis):
     def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
         return [*BatchParallel(self.axis).actions(state, context), *ZeRO(self.axis, 3).actions(state, context)]
+
+
+@register_tactic("ExpertParallel", "EP")
+@dataclass(frozen=True)
+class ExpertParallel(_OnOneAxis):
+    def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
+        """A tile of the expert dim of every stacked expert weight (its group's); why there is none goes to
+        `context.blocked`."""
+        p = state.program
+        found = expert_weights(p, state.rules)
+        out = list(dict.fromkeys(Tile(group_of(p, p.values[w].name), 0, self.axis) for w in found
+                                 if divides(p.values[w].shape[0], state.mesh, (self.axis,))))
+        if not out and context is not None:
+            context.blocked.append(f"no stacked expert weight divides by {self.axis!r} ({len(found)} found: a rank-3 "
+                                   "parameter a forward batched matmul reads with its batch dim as the expert dim)")
+        return out
+
+
+def expert_weights(program: Program, rules) -> list[int]:
+    """Rank-3 parameters (through dtype casts) that a forward `bmm` reads as an operand: their dim 0 is the
+    matmul's batch dim, one slice per expert (`[E, d, f]` stacked weights, as GShard / Switch store them)."""
+    params, out = set(program.params.values()), []
+    for op in program.ops:
+        if op.phase is not Phase.FORWARD or op.target != "aten.bmm.default":
+            continue
+        for t in rules[op.id].operands:
+            v = _uncast(program, rules, t.value)
+            if v in params and len(program.values[v].shape) == 3 and v not in out:
+                out.append(v)
+    return out
 
 
 @register_tactic("HSDP")

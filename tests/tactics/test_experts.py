@@ -1,9 +1,11 @@
-"""The expert tactics as action lists: HSDP, written in one file (`tactics/experts.py`) from the others' actions."""
+"""The expert tactics as action lists (`tactics/experts.py`): HSDP, written from the others' actions, and expert
+parallelism, found from structure."""
 
 from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 
 from partir_torch import models
@@ -48,3 +50,46 @@ def test_hsdp_shards_within_the_node_replicates_across_and_trains_exactly():
                   "step": torch.tensor(3.0)} for n, p in params.items()}
     res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
     assert res.max_abs_diff <= 1e-5 and res.replica_mismatch <= 1e-5
+
+
+class _Routed(torch.nn.Module):
+    """A user's MoE with its own names: a gate, experts stacked as `[E, d, f]` banks, top-1 dense dispatch."""
+
+    def __init__(self, d: int = 8, f: int = 16, e: int = 4) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(d, e, bias=False)
+        self.bank_a = torch.nn.Parameter(torch.randn(e, d, f) * 0.1)
+        self.bank_b = torch.nn.Parameter(torch.randn(e, f, d) * 0.1)
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.softmax(self.gate(x), -1)  # [T, E]
+        pick = (w == w.amax(-1, keepdim=True)).to(x.dtype) * w  # top-1, dense
+        h = torch.einsum("te,td->etd", pick, x)  # [E, T, d]
+        h = torch.bmm(torch.relu(torch.bmm(h, self.bank_a)), self.bank_b)  # [E, T, d]
+        return self.head(h.sum(0))
+
+
+def test_expert_parallel_tiles_stacked_expert_weights_found_from_structure():
+    """GShard's expert parallelism as a tactic: the zoo MoE's and a user's differently named stacked expert
+    weights are tiled on their expert dim (nothing else on that axis), the step stays exact (simulator), and a
+    model without stacked experts is told why nothing changed."""
+    torch.manual_seed(0)
+    net, x, y = _Routed(), torch.randn(8, 8), torch.randint(0, 3, (8,))
+    program = capture(net, (x, y), lambda m, a, b: torch.nn.functional.cross_entropy(m(a), b), "adamw")
+    mesh = Mesh.parse("batch=2,expert=4")
+    state = apply_schedule(program, mesh, "batch:BatchParallel;expert:ExpertParallel")
+    assert [str(a) for a in state.actions[-2:]] == ["tile(bank_a, 0, expert)", "tile(bank_b, 0, expert)"]
+    assert [n for n, v in program.params.items() if "expert" in state.shard[v].axes] == ["bank_a", "bank_b"]
+    params = {n: p.detach() for n, p in net.named_parameters()}
+    states = {n: {"exp_avg": torch.randn(p.shape) * 0.01, "exp_avg_sq": torch.rand(p.shape) * 0.01,
+                  "step": torch.tensor(3.0)} for n, p in params.items()}
+    res = simulate(program, state, params, {}, (x, y), states)
+    assert res.max_abs_diff <= 1e-5 and res.replica_mismatch <= 1e-5
+
+    moe, inputs, loss_fn = models.build("tiny-moe", device="meta")
+    state = apply_schedule(capture(moe, inputs, loss_fn, "adamw"), mesh, "expert:EP")
+    assert {str(a) for a in state.actions} == {"tile(h.*.moe.w_in, 0, expert)", "tile(h.*.moe.w_out, 0, expert)"}
+    gpt, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
+    with pytest.warns(UserWarning, match="ExpertParallel on 'expert' changes nothing: no stacked expert weight"):
+        apply_schedule(capture(gpt, inputs, loss_fn, "adamw"), mesh, "expert:ExpertParallel")
