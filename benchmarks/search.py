@@ -62,7 +62,9 @@ def experts(axes: list[str]) -> dict[str, str]:
     return {"DP": f"{b}:DP;{m}:DP", "FSDP": f"{b}:FSDP;{m}:FSDP", "Megatron": f"{m}:Megatron",
             "MegatronxDP": f"{b}:DP;{m}:Megatron", "MegatronxDP+ZeRO-1": f"{b}:DP;{m}:Megatron;{b}:ZeRO(1)",
             "HSDP": f"{b},{m}:HSDP", "DP+ZeRO-2": f"{b}:DP;{m}:DP;{b}:ZeRO(2)",
-            "EPxDP": f"{b}:DP;{m}:DP;{m}:ExpertParallel",
+            "MegatronSPxDP": f"{b}:DP;{m}:Megatron;{m}:SequenceParallel",
+            "MegatronSPxDP+ZeRO-1": f"{b}:DP;{m}:Megatron;{m}:SequenceParallel;{b}:ZeRO(1)",
+            "CPxFSDP": f"{b}:FSDP;{m}:ContextParallel", "EPxDP": f"{b}:DP;{m}:DP;{m}:ExpertParallel",
             "EPxDP+ZeRO-1": f"{b}:DP;{m}:DP;{m}:ExpertParallel;{b}:ZeRO(1)"}
 
 

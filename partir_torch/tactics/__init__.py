@@ -8,6 +8,7 @@ from partir_torch.tactics.experts import (
     ExpertParallel,
     Manual,
     Megatron,
+    SequenceParallel,
     ZeRO,
     batch_tiles,
     expert_weights,
@@ -31,6 +32,6 @@ from partir_torch.tactics.schedule import (
 )
 
 __all__ = ["FSDP", "HSDP", "BatchParallel", "Context", "ExpertParallel", "Manual", "Megatron", "ScheduleError",
-           "Tactic", "ZeRO", "apply_schedule", "batch_tiles", "expert_weights", "group_of", "linears",
-           "megatron_pairs", "megatron_tiles", "parse_schedule", "register_tactic", "registered_tactics", "take",
-           "wants_fallback", "warn_fallbacks", "warn_misplaced"]
+           "SequenceParallel", "Tactic", "ZeRO", "apply_schedule", "batch_tiles", "expert_weights", "group_of",
+           "linears", "megatron_pairs", "megatron_tiles", "parse_schedule", "register_tactic", "registered_tactics",
+           "take", "wants_fallback", "warn_fallbacks", "warn_misplaced"]

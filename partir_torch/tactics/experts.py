@@ -21,6 +21,11 @@ decisions. Text form: `"batch:BatchParallel;model:Megatron;batch:ZeRO(1)"` (`ZeR
   reach their experts through the all-to-all propagation places where the batch-split activations meet the
   expert-split ones. Experts kept as separate modules (a `ModuleList` of linears) are not stacked weights
   and are left to the other tactics.
+- SequenceParallel(axis): the sequence dim (dim 1) of every token or embedding input (rank 2 or 3) tiled on
+  `axis`. After `Megatron` on the same axis it is Megatron's sequence parallelism: the norms, dropouts and
+  residuals between a row and the next column linear run on a sequence tile, the row linear's all-reduce
+  becomes a reduce-scatter and the column linear's input an all-gather. On an axis of its own it is context
+  parallelism in its all-gather form: every op runs on a sequence tile, attention gathers its keys and values.
 - Manual({glob: spec}): per-value specs in torch_xla's partition-spec form.
 
 The same functions give the search its expert composites to start from (`search/seeds.py`).
@@ -226,6 +231,24 @@ class ZeRO(_OnOneAxis):
 class FSDP(_OnOneAxis):
     def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
         return [*BatchParallel(self.axis).actions(state, context), *ZeRO(self.axis, 3).actions(state, context)]
+
+
+@register_tactic("SequenceParallel", "SP", "ContextParallel", "CP")
+@dataclass(frozen=True)
+class SequenceParallel(_OnOneAxis):
+    def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
+        """A tile of dim 1 of every rank-2 or rank-3 input that divides (tokens `[B, T]`, embeddings
+        `[B, T, d]`); why another stays whole goes to `context.blocked`."""
+        p, out = state.program, []
+        for v in p.inputs:
+            val = p.values[v]
+            if len(val.shape) not in (2, 3) or self.axis in state.shard[v].axes:
+                continue
+            if divides(val.shape[1], state.mesh, (*state.shard[v].dims[1], self.axis)):
+                out.append(Tile(val.name, 1, self.axis))
+            elif context is not None:
+                context.blocked.append(why_not_tiled(state, v, 1, self.axis))
+        return out
 
 
 @register_tactic("ExpertParallel", "EP")

@@ -93,3 +93,27 @@ def test_expert_parallel_tiles_stacked_expert_weights_found_from_structure():
     gpt, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
     with pytest.warns(UserWarning, match="ExpertParallel on 'expert' changes nothing: no stacked expert weight"):
         apply_schedule(capture(gpt, inputs, loss_fn, "adamw"), mesh, "expert:ExpertParallel")
+
+
+def test_sequence_parallel_after_megatron_turns_its_all_reduce_into_reduce_scatter_and_all_gather():
+    """Megatron's sequence parallelism as two tactics' actions (`model:Megatron;model:SP`) on a Llama: the
+    inputs' sequence dim tiled on `model` after the weights, so the norms between a row and the next column
+    linear run on a sequence tile: no all-reduce on `model` is left, a reduce-scatter and an all-gather take
+    its place, and the step stays exact; alone on an axis (context parallelism) it is exact too."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = models.build("tiny-llama", device="cpu")
+    program = capture(model, inputs, loss_fn, "adamw")
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    states = {n: {"exp_avg": torch.randn(p.shape) * 0.01, "exp_avg_sq": torch.rand(p.shape) * 0.01,
+                  "step": torch.tensor(3.0)} for n, p in params.items()}
+    mesh = Mesh.parse("batch=2,model=2")
+    megatron = summarize(lower(apply_schedule(program, mesh, "batch:DP;model:Megatron")))
+    assert megatron["all-reduce"].get("model", 0) > 0 and "reduce-scatter" not in megatron
+    for schedule in ("batch:DP;model:Megatron;model:SequenceParallel", "batch:DP;model:ContextParallel"):
+        state = apply_schedule(program, mesh, schedule)
+        assert [str(a) for a in state.actions if "inputs" in str(a) and "model" in str(a)] == [
+            "tile(inputs[0], 1, model)", "tile(inputs[1], 1, model)"]
+        comm = summarize(lower(state))
+        assert "model" not in comm.get("all-reduce", {}) and comm["reduce-scatter"]["model"] > 0, comm
+        res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
+        assert res.max_abs_diff <= 1e-5 and res.replica_mismatch <= 1e-5, schedule
