@@ -12,7 +12,7 @@ __all__ = ["OPTIMIZERS", "build_parser", "main", "parse_mesh"]
 
 # commands that start no runtime or worker: as a program (`main()` without arguments) they end the process
 # without its teardown, which frees the search's millions of objects one by one (over a second for a 70B plan)
-_FAST_EXIT = frozenset({"plan", "capture", "coverage", "models", "diff"})
+_FAST_EXIT = frozenset({"plan", "capture", "coverage", "models", "diff", "show"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from partir_torch.cli.planning import cmd_diff, cmd_plan
+from partir_torch.cli.planning import cmd_diff, cmd_plan, cmd_show
 from partir_torch.cli.program import cmd_capture, cmd_coverage, cmd_models, cmd_simulate
 from partir_torch.cli.running import cmd_train, cmd_verify
 from partir_torch.options import add_flags
@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("b")
     df.add_argument("--json", action="store_true")
     df.set_defaults(fn=cmd_diff)
+
+    sh = sub.add_parser("show", help="pictures of a saved plan (PNG): the whole plan, and which device holds which "
+                                     "block of a tensor")
+    sh.add_argument("plan", help="a plan saved with `plan --out` or plan.save()")
+    sh.add_argument("--tensor", action="append", metavar="NAME",
+                    help="a parameter, input (inputs[0]) or optimizer state (opt.exp_avg[NAME]) to draw; repeatable")
+    sh.add_argument("--out", default=".", help="the directory of the PNGs (default: here)")
+    sh.set_defaults(fn=cmd_show)
 
     tr = sub.add_parser("train", help="auto-shard a model with torch_xla in this process, train a few steps on its "
                                       "example batch, and verify the compiled step against the plan")

@@ -174,3 +174,23 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print(str(d))
     return 0
 
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Pictures of a saved plan: the whole plan, and each `--tensor`'s blocks per device (`plan/picture.py`)."""
+    from pathlib import Path
+
+    from partir_torch.plan import ShardingPlan
+    from partir_torch.plan.picture import draw_plan, draw_tensor, tensor_spec
+
+    plan = ShardingPlan.load(args.plan)
+    for name in args.tensor or []:
+        tensor_spec(plan, name)  # a wrong name is an error before anything is drawn
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = Path(args.plan).stem
+    print(draw_plan(plan, out / f"{stem}.png"))
+    for name in args.tensor or []:
+        safe = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
+        print(draw_tensor(plan, name, out / f"{stem}.{safe}.png"))
+    return 0
