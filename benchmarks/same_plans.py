@@ -43,7 +43,10 @@ def run(names: list[str], episodes: int) -> dict:
         for key, rename in cases:
             model, inputs, loss_fn = workload.load(model_name, over, device="meta")
             if rename:
-                from benchmarks.workloads.renamed import renamed
+                try:
+                    from benchmarks.workloads.renamed import renamed
+                except ImportError:  # a tree from before the workloads left the package
+                    from partir_torch.models.renamed import renamed
 
                 model = renamed(model)
             t0 = time.perf_counter()
