@@ -38,34 +38,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.workloads
 
-SCENARIOS = {
-    # name: (model, overrides, hardware, mesh, dcn axes, experts)
-    "S1": ("gpt2-xl", {}, "tpu-v5e", "batch=2,model=4", (), "2d"),
-    "S2": ("gpt-6.7b", {}, "h100-sxm", "batch=4,model=8", ("batch",), "2d"),
-    "S3": ("llama-7b", {"batch": "16"}, "tpu-v5p", "data=8,model=8", (), "2d"),
-    "S4a": ("unet", {}, "tpu-v4", "batch=8", (), "1d"),
-    "S4b": ("unet", {}, "tpu-v4", "batch=4,model=2", (), "2d"),
-    "S5": ("gns", {}, "tpu-v4", "batch=2,model=4", (), "2d"),
-    "S6": ("moe", {}, "h100-sxm", "batch=2,expert=8", ("batch",), "2d"),
-    "S7": ("mlp", {"batch": "65536", "width": "64", "hidden": "256"}, "cpu-virtual", "batch=8", (), "1d"),
-}
+from partir_torch.bench import SCENARIOS as _SCENARIOS
+from partir_torch.bench import experts
 
-
-def experts(axes: list[str]) -> dict[str, str]:
-    """The expert schedules a practitioner would write for these axes (an expert a model cannot take, such as
-    expert parallelism without stacked experts, changes nothing and costs what the plan without it does)."""
-    if len(axes) == 1:
-        (b,) = axes
-        return {"DP": f"{b}:DP", "FSDP": f"{b}:FSDP", "DP+ZeRO-1": f"{b}:DP;{b}:ZeRO(1)",
-                "DP+ZeRO-2": f"{b}:DP;{b}:ZeRO(2)", "Megatron": f"{b}:Megatron"}
-    b, m = axes
-    return {"DP": f"{b}:DP;{m}:DP", "FSDP": f"{b}:FSDP;{m}:FSDP", "Megatron": f"{m}:Megatron",
-            "MegatronxDP": f"{b}:DP;{m}:Megatron", "MegatronxDP+ZeRO-1": f"{b}:DP;{m}:Megatron;{b}:ZeRO(1)",
-            "HSDP": f"{b},{m}:HSDP", "DP+ZeRO-2": f"{b}:DP;{m}:DP;{b}:ZeRO(2)",
-            "MegatronSPxDP": f"{b}:DP;{m}:Megatron;{m}:SequenceParallel",
-            "MegatronSPxDP+ZeRO-1": f"{b}:DP;{m}:Megatron;{m}:SequenceParallel;{b}:ZeRO(1)",
-            "CPxFSDP": f"{b}:FSDP;{m}:ContextParallel", "EPxDP": f"{b}:DP;{m}:DP;{m}:ExpertParallel",
-            "EPxDP+ZeRO-1": f"{b}:DP;{m}:DP;{m}:ExpertParallel;{b}:ZeRO(1)"}
+# name: (model, overrides, hardware, mesh, dcn axes, experts' kind)
+SCENARIOS = {k: (*v, "2d" if "," in v[3] else "1d") for k, v in _SCENARIOS.items()}
 
 
 def renamed_megatron(model_name, over, mesh, hw, dcn, budget) -> dict:

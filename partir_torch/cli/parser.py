@@ -6,7 +6,7 @@ import argparse
 
 from partir_torch.cli.planning import cmd_diff, cmd_plan, cmd_show
 from partir_torch.cli.program import cmd_capture, cmd_coverage, cmd_models, cmd_simulate
-from partir_torch.cli.running import cmd_train, cmd_verify
+from partir_torch.cli.running import cmd_bench, cmd_train, cmd_verify
 from partir_torch.options import add_flags
 
 # capture.optim.CLASSES' names, here so the parser needs no torch import (a cached repeat is sub-second)
@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--numerics", action="store_true", help="also run unsharded and report max |difference|")
     vf.add_argument("--json", action="store_true")
     vf.set_defaults(fn=cmd_verify)
+
+    bn = sub.add_parser("bench", help="the search against the strongest expert plans on the scenarios S1-S7 (cost "
+                                      "model), written to docs/benchmarks.md with a chart each")
+    bn.add_argument("--quick", action="store_true", help="the scenarios without the U-Net (a few minutes)")
+    bn.add_argument("--only", help="comma-separated scenarios, e.g. S1,S7")
+    bn.add_argument("--episodes", type=int, default=200, help="the search's budget (default: 200, as plan's)")
+    bn.add_argument("--out", default="docs", help="where benchmarks.md and the charts go (default: docs)")
+    bn.set_defaults(fn=cmd_bench)
 
     m = sub.add_parser("models", help="list the model zoo")
     m.set_defaults(fn=cmd_models)

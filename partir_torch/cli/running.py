@@ -87,3 +87,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(report.table())
     return 0
 
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The search against the experts on the scenarios, written to `--out`/benchmarks.md (`partir_torch/bench.py`)."""
+    from pathlib import Path
+
+    from partir_torch import bench
+
+    names = [s for s in (args.only or "").split(",") if s] or list(bench.QUICK if args.quick else bench.SCENARIOS)
+    unknown = [s for s in names if s not in bench.SCENARIOS]
+    if unknown:
+        raise PartirError(f"unknown scenario(s) {unknown}; the scenarios: {', '.join(bench.SCENARIOS)}")
+    rows = {}
+    for name in names:
+        rows[name] = row = bench.run(name, args.episodes)
+        ratio = f"{row['ratio']:.3f} x the best expert ({row['best_expert']})" if "ratio" in row else "no expert fits"
+        print(f"{name}: found {row['found']['step_time_s'] * 1e3:.2f} ms = {ratio}, searched in "
+              f"{row['found']['search_s']:.1f} s", flush=True)
+    print(bench.write(rows, Path(args.out), args.episodes))
+    return 0
