@@ -117,3 +117,23 @@ def test_sequence_parallel_after_megatron_turns_its_all_reduce_into_reduce_scatt
         assert "model" not in comm.get("all-reduce", {}) and comm["reduce-scatter"]["model"] > 0, comm
         res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
         assert res.max_abs_diff <= 1e-5 and res.replica_mismatch <= 1e-5, schedule
+
+
+@pytest.mark.parametrize("schedule", ["batch:DP;model:Megatron;model:SequenceParallel", "batch:DP;model:CP"])
+def test_sequence_and_context_parallelism_on_a_transformers_llama(schedule):
+    """The same tactics on HF transformers' `LlamaForCausalLM` (tiny config, no download): exact, and the model
+    axis reduces by reduce-scatter, not all-reduce."""
+    pytest.importorskip("transformers")
+    from benchmarks.workloads.thirdparty import BUILDERS
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = BUILDERS["hf-llama"]()
+    program = capture(model, inputs, loss_fn, "adamw")
+    state = apply_schedule(program, Mesh.parse("batch=2,model=2"), schedule)
+    comm = summarize(lower(state))
+    assert "model" not in comm.get("all-reduce", {}) and comm["reduce-scatter"]["model"] > 0, comm
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    states = {n: {"exp_avg": torch.randn(p.shape) * 0.01, "exp_avg_sq": torch.rand(p.shape) * 0.01,
+                  "step": torch.tensor(3.0)} for n, p in params.items()}
+    res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
+    assert res.max_abs_diff <= 1e-5 and res.replica_mismatch <= 1e-5
