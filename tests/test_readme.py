@@ -5,7 +5,6 @@ CLI's own entry point (in process: the same `main`, without a Python start-up pe
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from partir_torch.cli import main
+from tests.docblocks import blocks as doc_blocks
+from tests.docblocks import commands
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 # the two set-up commands are CI's own (`./dev test`) and the demo (run on a fresh machine by hand)
@@ -21,14 +22,7 @@ NOT_RUN = ("./dev demo", "./dev test")
 
 
 def blocks(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", README.read_text(), flags=re.S | re.M)
-
-
-def commands(block: str) -> list[str]:
-    """A bash block's commands: continuation lines joined, comments dropped."""
-    joined = re.sub(r"\\\n", " ", block)
-    lines = [shlex.split(line, comments=True) for line in joined.splitlines()]
-    return [" ".join(shlex.quote(w) for w in words) for words in lines if words]
+    return doc_blocks(README, lang)
 
 
 def test_the_readme_has_the_blocks_this_test_runs():
