@@ -31,5 +31,6 @@ def test_every_block_of_the_guide_runs_in_order(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "pics" / "plan.png").stat().st_size > 5000  # the pictures section
     assert (tmp_path / "pics" / "plan.h.0.attn.c_attn.weight.png").exists()
     assert (tmp_path / "mine.json").exists() and "step 1: loss" in out  # Python's plan, XLA training
+    assert "loss after 3 steps" in out  # auto_shard on torch_xla from Python
     for said in ("write 'batch=2'", "did you mean 'budget'?", "no plan found fits in memory"):
         assert said in out, said  # the troubleshooting section's errors, as the guide quotes them
