@@ -166,7 +166,7 @@ class ShardingState:
                 self.locked[v] = self.locked[v] | {action.axis}
             self.actions.append(action)
             return
-        changed = []
+        tiled = []  # every member's new sharding first: an illegal member leaves the state as it was
         for v in vids:
             val = self.program.values[v]
             if action.axis in self.locked[v]:
@@ -174,7 +174,11 @@ class ShardingState:
             dims = self.shard[v].dims
             if -len(dims) <= action.dim < len(dims) and action.axis in dims[action.dim]:
                 continue  # already implied by propagation
-            self.shard[v] = self.shard[v].tile(action.dim, action.axis, value=val.name, shape=val.shape, mesh=self.mesh)
+            tiled.append((v, self.shard[v].tile(action.dim, action.axis, value=val.name, shape=val.shape,
+                                                mesh=self.mesh)))
+        changed = []
+        for v, sh in tiled:
+            self.shard[v] = sh
             self.changed.add(v)
             self.record.values.add(v)
             changed.append(v)

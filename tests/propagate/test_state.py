@@ -224,3 +224,16 @@ def test_manual_specs(renamed):
         Manual({"p1.0.u.weight": ["model"]}).apply(state)
     with pytest.raises(ScheduleError, match=r"matches no parameter"):
         Manual({"nothing.*": [None]}).apply(state)
+
+
+def test_an_illegal_group_tile_leaves_the_state_as_it_was():
+    """One member of a group fenced on the axis: tiling the group is illegal and changes no member (a manual
+    tactic skips it, and the plan's decisions still rebuild the state exactly)."""
+    model, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
+    program = capture(model, inputs, loss_fn, "adamw")
+    state = ShardingState(program, Mesh.parse("batch=2,model=4"))
+    state.apply(Replicate("h.1.mlp.c_fc.weight", "model"))
+    before = state.digest()
+    with pytest.raises(IllegalActionError, match=r"h\.1\.mlp\.c_fc\.weight is replicated on 'model'"):
+        state.apply(Tile("h.*.mlp.c_fc.weight", 0, "model"))
+    assert state.digest() == before and [str(a) for a in state.actions] == ["replicate(h.1.mlp.c_fc.weight, model)"]
