@@ -95,10 +95,8 @@ class Options:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("progress", "cache")}
 
 
-def add_flags(parser: argparse.ArgumentParser, only: Iterable[str] | None = None,
-              defaults: dict[str, Any] | None = None) -> None:
-    """The CLI flags of `Options`' fields (`only` these), each stored under the field's name; `defaults`
-    overrides a field's default for this command's help (the value stays None when the flag is absent)."""
+def add_flags(parser: argparse.ArgumentParser, only: Iterable[str] | None = None) -> None:
+    """The CLI flags of `Options`' fields (`only` these), each stored under the field's name."""
     only = None if only is None else set(only)
     for f in dataclasses.fields(Options):
         if (only is not None and f.name not in only) or f.metadata.get("flag") == "":
@@ -111,12 +109,10 @@ def add_flags(parser: argparse.ArgumentParser, only: Iterable[str] | None = None
             parser.add_argument(flag, dest=f.name, action="store_true", help=help)
         else:
             kind = int if f.type in ("int", "int | None") else None
-            default = (defaults or {}).get(f.name, f.default)
-            parser.add_argument(flag, dest=f.name, default=default, type=kind, choices=meta["choices"],
+            parser.add_argument(flag, dest=f.name, default=f.default, type=kind, choices=meta["choices"],
                                 metavar=meta["metavar"], help=help)
 
 
-def from_args(args: argparse.Namespace, **overrides: Any) -> Options:
+def from_args(args: argparse.Namespace) -> Options:
     """The `Options` of a command line parsed with `add_flags` (the fields it has flags for)."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Options) if hasattr(args, f.name)}
-    return Options.of(**{**given, **overrides})
+    return Options.of(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options) if hasattr(args, f.name)})

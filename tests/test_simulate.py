@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from partir_torch import models
 from partir_torch.capture import capture
-from partir_torch.ir import Mesh, Role, Tile
+from partir_torch.ir import Mesh, Tile
 from partir_torch.simulate import simulate
 from partir_torch.tactics import apply_schedule
+from tests.plans import random_plan
 
 ZOO = ["tiny-mlp", "tiny-gpt2", "tiny-llama", "tiny-unet", "tiny-gns", "tiny-moe", "tiny-vit"]
 PLANS = [
@@ -36,18 +35,6 @@ def workload(name):
                   for n, p in model.named_parameters()}
         _CACHE[name] = (program, params, dict(model.named_buffers()), inputs, states)
     return _CACHE[name]
-
-
-def random_plan(program, mesh, seed):
-    from partir_torch.propagate import ShardingState
-
-    rng = random.Random(seed)
-    state = ShardingState(program, mesh)
-    pool = [v for v in program.values if v.role in (Role.PARAMETER, Role.INPUT, Role.OPT_STATE) and v.shape]
-    for _ in range(8):
-        v = rng.choice(pool)
-        state.try_apply(Tile(v.name, rng.randrange(len(v.shape)), rng.choice(mesh.names)))
-    return state
 
 
 @pytest.mark.parametrize(("mesh", "schedule"), PLANS, ids=[f"{m}:{s}" for m, s in PLANS])

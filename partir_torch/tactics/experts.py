@@ -170,12 +170,13 @@ class Megatron(_OnOneAxis):
     def actions(self, state: ShardingState, context: Context | None = None) -> list[Action]:
         """A tile per column/row weight (its group's: every repeated layer at once); why there is none goes
         to `context.blocked`."""
-        p, lin = state.program, linears(state.program, state.rules)
+        p = state.program
         tiles = megatron_tiles(state, self.axis)
-        if not tiles and context is not None:
-            context.blocked.append(f"no column/row pair of linears was found ({len(lin)} forward linears; a pair is "
-                                   "a linear whose output feeds another's input without a normalization or "
-                                   "reduction between them)" if not megatron_pairs(p, state.rules) else
+        if not tiles and context is not None:  # (why: the pairs again, only on this rare path)
+            n = len(linears(p, state.rules))
+            context.blocked.append(f"no column/row pair of linears was found ({n} forward linears; a pair is a linear "
+                                   "whose output feeds another's input without a normalization or reduction "
+                                   "between them)" if not megatron_pairs(p, state.rules) else
                                    "no column/row weight divides by the axis")
         return [Tile(group_of(p, p.values[w].name), d, self.axis) for w, d in tiles]
 

@@ -89,11 +89,8 @@ def _why_not(state: ShardingState, action: Action, error: Exception) -> list[str
     """Why `action` could not be applied, per value it meant to tile (none when propagation tiled it anyway)."""
     if not isinstance(action, Tile | TileLate):
         return [str(error)]
-    out = []
-    for v in state.resolve(action.target):
-        if action.axis not in state.shard[v].axes:
-            out.append(why_not_tiled(state, v, action.dim, action.axis))
-    return out[:1]
+    first = next((v for v in state.resolve(action.target) if action.axis not in state.shard[v].axes), None)
+    return [] if first is None else [why_not_tiled(state, first, action.dim, action.axis)]
 
 
 def why_not_tiled(state: ShardingState, v: int, d: int, axis: str) -> str:

@@ -4,7 +4,6 @@ every device, statically), and it ends in the destination's layout; `lower.trans
 from __future__ import annotations
 
 import itertools
-import random
 
 import pytest
 from hypothesis import given, settings
@@ -49,9 +48,8 @@ def feasible(steps, shape, mesh) -> str | None:
 
 def test_every_reshard_of_the_zoo_s_plans_is_a_feasible_walk():
     """DP + Megatron + ZeRO-3, FSDP before Megatron (axes out of order on a dim), random tiles."""
-    from partir_torch.ir import Role, Tile
-    from partir_torch.propagate import ShardingState
     from partir_torch.tactics import apply_schedule
+    from tests.plans import random_plan
 
     checked = 0
     for name in ["tiny-gpt2", "tiny-unet", "tiny-gns", "tiny-moe"]:
@@ -59,12 +57,7 @@ def test_every_reshard_of_the_zoo_s_plans_is_a_feasible_walk():
         program = capture(net, inputs, loss_fn, "adamw")
         states = [apply_schedule(program, MESH, s) for s in ("batch:BatchParallel;model:Megatron;x:ZeRO(3)",
                                                               "batch:FSDP;model:Megatron")]
-        rng = random.Random(name)
-        state = ShardingState(program, MESH)
-        pool = [v for v in program.values if v.role in (Role.PARAMETER, Role.INPUT, Role.OPT_STATE) and v.shape]
-        for _ in range(10):
-            v = rng.choice(pool)
-            state.try_apply(Tile(v.name, rng.randrange(len(v.shape)), rng.choice(MESH.names)))
+        state = random_plan(program, MESH, name, n=10)
         for s in [*states, state]:
             pairs = {(program.values[v].shape, a, b) for o in s.active_ops() for v, a, b in op_reshards(s, o)}
             pairs |= {(program.values[v].shape, a, b) for v, a, b in end_reshards(s)}
