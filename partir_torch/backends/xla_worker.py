@@ -63,15 +63,19 @@ class XlaStep:
 
 def run(plan: ShardingPlan, source: dict[str, Any], *, optimizer: str | None = None, steps: int = 1,
         numerics: bool = False, seed: int = 0, lowerings: dict[str, bool] | None = None,
-        return_params: bool = False, timeout: float = 900, dump_dir: str | None = None) -> XlaStep:
+        return_params: bool = False, timeout: float = 900, dump_dir: str | None = None,
+        auto: bool = False) -> XlaStep:
     """Run `steps` training steps of the model of `source` ({"workload": spec, "overrides": {...}} or
     {"pickle": path}) under `plan` in a fresh torch_xla process; read the step's partitioned HLO. The dump
-    (tens of MiB a step) is deleted once read, unless it goes under the caller's `dump_dir`."""
+    (tens of MiB a step) is deleted once read, unless it goes under the caller's `dump_dir`. `auto`: the plain
+    step under torch_xla's own auto-sharding (`xr.use_spmd(auto=True)`) instead of the plan (its mesh only
+    names the devices and the axes the collectives are read over)."""
     mesh = Mesh.of(plan.mesh)
     dump = tempfile.mkdtemp(prefix="partir-xla-", dir=dump_dir)  # fresh: the largest module is the step
     try:
         return _run(plan, source, dump, mesh, optimizer=optimizer, steps=steps, numerics=numerics, seed=seed,
-                    lowerings=lowerings, return_params=return_params, timeout=timeout, kept=dump_dir is not None)
+                    lowerings=lowerings, return_params=return_params, timeout=timeout, kept=dump_dir is not None,
+                    auto=auto)
     finally:
         if dump_dir is None:
             shutil.rmtree(dump, ignore_errors=True)
@@ -79,9 +83,9 @@ def run(plan: ShardingPlan, source: dict[str, Any], *, optimizer: str | None = N
 
 def _run(plan: ShardingPlan, source: dict[str, Any], dump: str, mesh: Mesh, *, optimizer: str | None, steps: int,
          numerics: bool, seed: int, lowerings: dict[str, bool] | None, return_params: bool, timeout: float,
-         kept: bool) -> XlaStep:
+         kept: bool, auto: bool = False) -> XlaStep:
     job = {"source": source, "plan": plan.to_json(), "optimizer": optimizer, "steps": steps, "numerics": numerics,
-           "seed": seed, "lowerings": lowerings or {}, "return_params": return_params}
+           "seed": seed, "lowerings": lowerings or {}, "return_params": return_params, "auto": auto}
     path = os.pathsep.join(p for p in sys.path if p)  # the caller's modules (a pickled model's classes) import there
     env = {**os.environ, "PYTHONPATH": path, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(mesh.devices),
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text "
@@ -180,15 +184,38 @@ def _reference(model, optimizer, values: dict[str, Any]):
     return model, rebuild_optimizer(optimizer, names, dict(model.named_parameters()), foreach=False)
 
 
+def _auto(job: dict[str, Any], torch_xla, model, inputs, loss_fn) -> dict[str, Any]:
+    """The plain step under torch_xla's auto-sharding: XLA chooses every tensor's sharding."""
+    dev = torch_xla.device()
+    model.to(dev)
+    inputs = [x.to(dev) for x in inputs]
+    opt = _optimizer(job["optimizer"] or "adamw", model)
+    losses, t0, compile_s = [], time.perf_counter(), 0.0
+    for i in range(job["steps"]):
+        loss = loss_fn(model, *inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch_xla.sync()
+        losses.append(float(loss.detach().cpu()))
+        if i == 0:
+            compile_s = time.perf_counter() - t0
+    return {"loss": losses[0], "losses": losses, "compile_s": compile_s}
+
+
 def _worker(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from partir_torch.backends import xla
 
     xla.start_runtime(int(os.environ["CPU_NUM_DEVICES"]))
-    torch_xla, _, _ = xla.runtime._xla()
+    torch_xla, _, xr = xla.runtime._xla()
+    if job.get("auto"):
+        xr.use_spmd(auto=True)
     torch.manual_seed(job["seed"])
     model, inputs, loss_fn, optimizer = _load(job)
+    if job.get("auto"):
+        return _auto(job, torch_xla, model, inputs, loss_fn)
     plan = ShardingPlan.from_json(job["plan"])
     ref = copy.deepcopy((model, optimizer)) if job["numerics"] else None
     torch_xla.manual_seed(job["seed"])

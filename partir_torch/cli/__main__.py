@@ -2,4 +2,5 @@
 
 from partir_torch.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # (not in the ranks `partir-torch bench` spawns, which import this module again)
+    raise SystemExit(main())

@@ -90,20 +90,38 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """The search against the experts on the scenarios, written to `--out`/benchmarks.md (`partir_torch/bench.py`)."""
+    """The search against the experts (`partir_torch/bench/`): the scenarios with their anytime curve, and the
+    zoo through both engines, written to `--out`/benchmarks.md."""
+    import json
     from pathlib import Path
 
-    from partir_torch import bench
+    from partir_torch.bench import engines, report, scenarios
 
-    names = [s for s in (args.only or "").split(",") if s] or list(bench.QUICK if args.quick else bench.SCENARIOS)
-    unknown = [s for s in names if s not in bench.SCENARIOS]
+    names = [s for s in (args.only or "").split(",") if s] or list(scenarios.QUICK if args.quick
+                                                                    else scenarios.SCENARIOS)
+    unknown = [s for s in names if s not in scenarios.SCENARIOS]
     if unknown:
-        raise PartirError(f"unknown scenario(s) {unknown}; the scenarios: {', '.join(bench.SCENARIOS)}")
+        raise PartirError(f"unknown scenario(s) {unknown}; the scenarios: {', '.join(scenarios.SCENARIOS)}")
+    if args.anytime is not None:
+        try:
+            budgets = tuple(int(b) for b in args.anytime.split(",") if b)
+        except ValueError:
+            raise PartirError(f"--anytime takes episode counts such as 50,200; got {args.anytime!r}") from None
+    else:
+        budgets = () if args.only else (50, 200) if args.quick else scenarios.ANYTIME
     rows = {}
     for name in names:
-        rows[name] = row = bench.run(name, args.episodes)
+        rows[name] = row = scenarios.run(name, args.episodes, budgets)
         ratio = f"{row['ratio']:.3f} x the best expert ({row['best_expert']})" if "ratio" in row else "no expert fits"
         print(f"{name}: found {row['found']['step_time_s'] * 1e3:.2f} ms = {ratio}, searched in "
               f"{row['found']['search_s']:.1f} s", flush=True)
-    print(bench.write(rows, Path(args.out), args.episodes))
+    engine_rows, engine_episodes = None, args.episodes
+    if args.engines_from:
+        got = json.loads(Path(args.engines_from).read_text())
+        engine_rows, engine_episodes = got["rows"], got["episodes"]
+    elif not (args.no_engines or args.only):
+        models, meshes = ((engines.QUICK_MODELS, engines.QUICK_MESHES) if args.quick
+                          else (engines.MODELS, engines.MESHES))
+        engine_rows = engines.run(models, meshes, args.episodes)
+    print(report.write(rows, Path(args.out), args.episodes, engine_rows, engine_episodes))
     return 0

@@ -158,12 +158,12 @@ def _winners(state: ShardingState, st: Static, memo: Memo, cache: Cache
     vals = st.slot_val[mm]
     relaid = np.flatnonzero(st.relaid[vals])
     if len(relaid):  # lower.dedup_key: (u, to') for a re-layout of u moved from u's own sharding
-        roots, rules, sh = memo.roots, state.rules, st.sh_list
+        roots, sh = memo.roots, st.sh_list
         found = []
         for v, a, b in zip(vals[relaid].tolist(), src[relaid].tolist(), dst[relaid].tolist()):
             hit = roots.get((v, a, b))
             if hit is None:
-                u, s2, d2 = relayout_root(rules, st.relay, v, sh[a], sh[b])
+                u, s2, d2 = relayout_root(state, st.relay, v, sh[a], sh[b])
                 hit = roots[(v, a, b)] = (u, st.sid(s2), st.sid(d2))
             found.append(hit)
         u, s2, d2 = np.array(found, dtype=np.int64).T

@@ -89,11 +89,20 @@ class CostReport:
 
 
 def collective_time(c: Collective, n: int, bw: float, alpha: float) -> float:
+    return transfer_time(c.kind, c.bytes, n, bw, alpha)
+
+
+def transfer_time(kind: str, nbytes: float, n: int, bw: float, alpha: float, count: int = 1) -> float:
+    """Seconds of `count` collectives of `kind` moving `nbytes` in all over a group of `n` devices (ring
+    algorithms: an all-reduce sends twice what a gather does; a collective-permute, an engine's re-layout,
+    sends its bytes once)."""
     if n <= 1:
         return 0.0
-    if c.kind == "all-reduce":
-        return 2 * (n - 1) / n * c.bytes / bw + 2 * (n - 1) * alpha
-    return (n - 1) / n * c.bytes / bw + (n - 1) * alpha
+    if kind == "all-reduce":
+        return 2 * (n - 1) / n * nbytes / bw + count * 2 * (n - 1) * alpha
+    if kind == "collective-permute":
+        return nbytes / bw + count * alpha
+    return (n - 1) / n * nbytes / bw + count * (n - 1) * alpha
 
 
 def op_flops(target: str, operands: list[tuple[int, ...]], results: list[tuple[int, ...]],

@@ -234,9 +234,11 @@ def relayouts(program, rules) -> list[int]:
     return out
 
 
-def pull_back(rule, sh: Sharding) -> Sharding | None:
+def pull_back(state: ShardingState, rule, sh: Sharding) -> Sharding | None:
     """The operand's sharding that a re-layout op `rule` turns into `sh` of its result (each tiled result dim
-    to the operand dim of its factor), or None when a tiled dim has no factor on the operand side."""
+    to the operand dim of its factor), or None when a tiled dim has no factor on the operand side or its
+    factor's dim does not divide into its devices: a merged dim `heads x head_dim` of 2 x 16 tiled over 4
+    devices holds half a head on each, which no tiling of the 2 heads is."""
     if sh.chunks:
         return None
     src, dst = rule.operands[0].dims, rule.results[0].dims
@@ -247,10 +249,13 @@ def pull_back(rule, sh: Sharding) -> Sharding | None:
             if f is None or f not in src:
                 return None
             dims[src.index(f)] += axes
+    shape, mesh = state.program.values[rule.operands[0].value].shape, state.mesh
+    if any(axes and shape[d] % math.prod(mesh.size(a) for a in axes) for d, axes in enumerate(dims)):
+        return None
     return Sharding(tuple(dims), sh.partial)
 
 
-def relayout_root(rules, relay: list[int], v: int, src: Sharding, dst: Sharding
+def relayout_root(state: ShardingState, relay: list[int], v: int, src: Sharding, dst: Sharding
                   ) -> tuple[int, Sharding, Sharding]:
     """(u, src', dst'): the reshard of `v` from `src` to `dst` as a reshard of the value `u` that `v` re-lays
     out (through views and transposes): the same elements moved the same way. A program that gathers a value
@@ -259,8 +264,8 @@ def relayout_root(rules, relay: list[int], v: int, src: Sharding, dst: Sharding
     and autograd saves that reduced copy for the backward's reads through a transpose (MoE's dispatched
     tokens; before the call constraints, XLA reduced a sum and its view apart)."""
     while (o := relay[v]) >= 0:
-        rule = rules[o]
-        s, d = pull_back(rule, src), pull_back(rule, dst)
+        rule = state.rules[o]
+        s, d = pull_back(state, rule, src), pull_back(state, rule, dst)
         if s is None or d is None:
             break
         v, src, dst = rule.operands[0].value, s, d
@@ -272,7 +277,7 @@ def dedup_key(state: ShardingState, relay: list[int], v: int, src: Sharding, dst
     reshard moves from u's own sharding (`relayout_root`)."""
     if relay[v] < 0:
         return v, dst
-    u, s, d = relayout_root(state.rules, relay, v, src, dst)
+    u, s, d = relayout_root(state, relay, v, src, dst)
     return (u, d) if u != v and s == state.shard[u] else (v, dst)
 
 
@@ -317,7 +322,7 @@ def misplaced_reads(state: ShardingState) -> dict[tuple[str, str], list[tuple[st
     for o, v, src, dst in found:
         if not misplaced(src, dst):
             continue
-        v, src, dst = relayout_root(state.rules, relay, v, src, dst)
+        v, src, dst = relayout_root(state, relay, v, src, dst)
         moved = misplaced(src, dst)
         if not moved or (v, src, dst) in seen:
             continue

@@ -408,7 +408,7 @@ def _read_as(state: ShardingState, v: int, inside: set[int]) -> Sharding | None:
 
 
 def _read(state: ShardingState, cur: int, inside: set[int], coarsest: bool = False) -> Sharding | None:
-    from partir_torch.lower import op_reshards
+    from partir_torch.lower import op_reshards, pull_back
 
     program = state.program
     uses = [u for u in program.users[cur] if u in inside]
@@ -436,7 +436,7 @@ def _read(state: ShardingState, cur: int, inside: set[int], coarsest: bool = Fal
                 return None  # ... and re-sliced to another sharding by the module
         else:
             got = _read(state, res, inside, coarsest)
-        back = None if got is None else _pull_back(rule, got)
+        back = None if got is None else pull_back(state, rule, got)
         if back is None:
             return None
         reads.add(back)
@@ -450,18 +450,3 @@ def _slices(src: Sharding, dst: Sharding) -> bool:
     or chunked (an engine holding `src` makes `dst` with no collective)."""
     return (not src.partial and not dst.partial and not src.chunks and not dst.chunks
             and all(b[:len(a)] == a for a, b in zip(src.dims, dst.dims)))
-
-
-def _pull_back(rule, need: Sharding) -> Sharding | None:
-    """`need` of a view's result as its operand's sharding: each tiled result dim to the operand dim of its
-    factor (None when one has none)."""
-    src, dst = rule.operands[0].dims, rule.results[0].dims
-    dims: list[tuple[str, ...]] = [() for _ in src]
-    for d, axes in enumerate(need.dims):
-        if not axes:
-            continue
-        f = dst[d]
-        if f is None or f not in src:
-            return None
-        dims[src.index(f)] += axes
-    return Sharding(tuple(dims), need.partial, ())

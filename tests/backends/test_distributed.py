@@ -33,8 +33,9 @@ def build(name: str, fp64: bool):
     from partir_torch import models
 
     torch.manual_seed(0)
-    model, inputs, loss_fn = (thirdparty.build(name) if name in thirdparty.NAMES
-                              else models.build(name, device="cpu"))
+    name, _, over = name.partition(":")  # "tiny-gpt2:heads=2": a zoo model with config overrides
+    model, inputs, loss_fn = (thirdparty.build(name) if name in thirdparty.NAMES else
+                              models.build(name, dict(kv.split("=") for kv in over.split(",") if kv), device="cpu"))
     if fp64:
         model = model.double()
         inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
@@ -113,6 +114,13 @@ def test_zoo_expert_plans_run_as_predicted_and_train_as_unsharded(four, two, nam
     check(four.run(train_case, name, "batch=2,model=2", EXPERTS["4"]))
     if name in ("tiny-mlp", "tiny-gpt2"):
         check(two.run(train_case, name, "batch=2", EXPERTS["2"]))
+
+
+def test_megatron_over_more_devices_than_heads_runs_as_predicted_and_trains_as_unsharded(four):
+    """2 heads over 4 devices: each holds half a head of the fused q/k/v (uneven blocks of the split), which
+    no tiling of the heads is: the attention's views are resharded from the layout each holds, not re-viewed
+    from their root's (`lower.pull_back`), and gathers of uneven blocks pad them."""
+    check(four.run(train_case, "tiny-gpt2:heads=2", "model=4", "model:Megatron"))
 
 
 @pytest.mark.thirdparty

@@ -58,6 +58,7 @@ class RankRun:
     peak_memory_bytes: int
     loss: float | None
     outputs: list[torch.Tensor] = field(default_factory=list, repr=False)
+    collectives: list[tuple[str, str, int]] = field(default_factory=list)  # (kind, axis, bytes) as run, in order
 
 
 def axis_of_groups(rec: Sharded) -> dict[str, str]:
@@ -93,7 +94,7 @@ def run_once(rec: Sharded, model, optimizer, batch, *, local: bool = False) -> R
     for kind, _, _ in counter.seen:
         count[kind] += 1
     loss = float(outs[0]) if rec.state.program.loss is not None else None
-    return RankRun(counter.summary(), dict(count), peak, loss, list(outs))
+    return RankRun(counter.summary(), dict(count), peak, loss, list(outs), list(counter.seen))
 
 
 def predicted(rec: Sharded) -> dict[str, dict[str, int]]:

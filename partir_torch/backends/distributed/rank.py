@@ -105,7 +105,7 @@ class RankProgram:
         rules, prog = self.state.rules, self.program
         while (o := self.relay[v]) >= 0:
             rule = rules[o]
-            s, d = pull_back(rule, src), pull_back(rule, dst)
+            s, d = pull_back(self.state, rule, src), pull_back(self.state, rule, dst)
             if s is None or d is None:
                 break
             chain.append((o, dst))

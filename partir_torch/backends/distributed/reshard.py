@@ -12,6 +12,7 @@ bytes `lower` counts for it.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -66,7 +67,9 @@ class Exchange:
             if len(h) == len(w) and (h == w).all():
                 continue
             pos = _positions(w, h, f"{src} -> {dst} dim {d}")
-            if (np.diff(pos) == 1).all():
+            if not len(pos):  # this device holds none of the dim (a dim smaller than its axes' devices)
+                x = x.narrow(d, 0, 0)
+            elif (np.diff(pos) == 1).all():
                 x = x.narrow(d, int(pos[0]), len(pos))
             else:
                 x = x.index_select(d, torch.as_tensor(pos, device=x.device))
@@ -79,8 +82,8 @@ class Exchange:
         d = _along(parts, want)
         if d is not None:
             return funcol.all_gather_tensor(x.contiguous(), d, self.groups[axis])
-        flat = funcol.all_gather_tensor(x.contiguous().reshape(-1), 0, self.groups[axis])
-        return _assemble(flat, parts, want, x.device, f"gather {step.src} -> {step.dst}")
+        flat = funcol.all_gather_tensor(_padded(x.contiguous().reshape(-1), _largest(parts)), 0, self.groups[axis])
+        return _assemble(flat, parts, want, x.device, f"gather {step.src} -> {step.dst}", padded=True)
 
     def _reduce_scatter(self, x: torch.Tensor, step: Step, shape: tuple[int, ...]) -> torch.Tensor:
         axis, n = step.axis, self.mesh.size(step.axis)
@@ -89,9 +92,11 @@ class Exchange:
         d = _along(dests, have)
         if d is not None:
             return funcol.reduce_scatter_tensor(x.contiguous(), "sum", d, self.groups[axis])
-        send = torch.cat([_pick(x, have, dk) for dk in dests])
+        most = _largest(dests)  # (members' blocks padded to the largest: a layout's blocks may be uneven)
+        send = torch.cat([_padded(_pick(x, have, dk), most) for dk in dests])
         mine = funcol.reduce_scatter_tensor(send, "sum", 0, self.groups[axis])
-        return mine.reshape(step.dst.local_shape(shape, self.mesh))
+        local = [len(i) for i in dests[self.coord[axis]]]
+        return mine[:math.prod(local)].reshape(local)
 
     def _all_to_all(self, x: torch.Tensor, step: Step, shape: tuple[int, ...]) -> torch.Tensor:
         axis, n = step.axis, self.mesh.size(step.axis)
@@ -121,8 +126,8 @@ def _positions(sub: np.ndarray, full: np.ndarray, what: str) -> np.ndarray:
 
 
 def _along(parts: list[list[np.ndarray]], whole: list[np.ndarray]) -> int | None:
-    """The dim along which `parts` (per member, per dim indices), joined in member order, make `whole` while
-    every other dim is `whole`'s; None when they do not."""
+    """The dim along which `parts` (per member, per dim indices), joined in member order in blocks of one size,
+    make `whole` while every other dim is `whole`'s; None when they do not."""
     found = None
     for d, w in enumerate(whole):
         cols = [p[d] for p in parts]
@@ -131,7 +136,7 @@ def _along(parts: list[list[np.ndarray]], whole: list[np.ndarray]) -> int | None
         if found is not None:
             return None
         joined = np.concatenate(cols)
-        if len(joined) != len(w) or (joined != w).any():
+        if len(joined) != len(w) or (joined != w).any() or len({len(c) for c in cols}) > 1:
             return None
         found = d
     return found if found is not None else (0 if len(parts) == 1 else None)
@@ -145,13 +150,23 @@ def _pick(x: torch.Tensor, have: list[np.ndarray], part: list[np.ndarray]) -> to
     return x.reshape(-1)
 
 
+def _largest(parts: list[list[np.ndarray]]) -> int:
+    """The largest member's block (elements): what every member sends when blocks differ."""
+    return max(math.prod(len(i) for i in p) for p in parts)
+
+
+def _padded(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Flat `x` with zeros up to `n` elements (a collective's members send blocks of one size)."""
+    return x if x.numel() == n else torch.cat([x, x.new_zeros(n - x.numel())])
+
+
 def _assemble(flat: torch.Tensor, parts: list[list[np.ndarray]], want: list[np.ndarray], device: torch.device,
-              what: str) -> torch.Tensor:
+              what: str, padded: bool = False) -> torch.Tensor:
     """The local tensor holding `want` (per dim) from `flat`, the members' blocks one after the other (member j
-    sent the product of `parts[j]`, row-major)."""
+    sent the product of `parts[j]`, row-major; `padded`: each block padded to the largest's size)."""
     shape = tuple(len(w) for w in want)
     index = np.full(shape, -1, dtype=np.int64)
-    offset = 0
+    offset, most = 0, _largest(parts) if padded else None
     for part in parts:
         inside = [np.isin(w, p) for w, p in zip(want, part)]
         sizes = [len(p) for p in part]
@@ -159,7 +174,7 @@ def _assemble(flat: torch.Tensor, parts: list[list[np.ndarray]], want: list[np.n
             pos = [np.searchsorted(p, w[m]) for w, p, m in zip(want, part, inside)]
             block = np.ravel_multi_index(np.ix_(*pos), sizes) if shape else np.zeros((), dtype=np.int64)
             index[np.ix_(*[np.nonzero(m)[0] for m in inside])] = block + offset
-        offset += int(np.prod(sizes))
+        offset += most or int(np.prod(sizes))
     if (index < 0).any():
         raise ReshardError(f"reshard {what}: no device of the group holds some of the elements needed")
     return flat[torch.as_tensor(index.reshape(-1), device=device)].reshape(shape)
