@@ -6,6 +6,6 @@
 `report`: both written to `docs/benchmarks.md` with their charts.
 """
 
-from partir_torch.bench.scenarios import QUICK, SCENARIOS, SIMPLICITY, experts, run
+from partir_torch.bench.scenarios import ALL, LARGE, QUICK, SCENARIOS, SIMPLICITY, experts, run
 
-__all__ = ["QUICK", "SCENARIOS", "SIMPLICITY", "experts", "run"]
+__all__ = ["ALL", "LARGE", "QUICK", "SCENARIOS", "SIMPLICITY", "experts", "run"]

@@ -1,12 +1,13 @@
-"""`partir-torch bench`: the search's plans against the strongest plans a practitioner would write, on the
-scenarios of `benchmarks/search.py` (S1-S7), written to `docs/benchmarks.md` with a chart per scenario.
+"""The scenarios: the search's plans against the strongest plans a practitioner would write, by the cost model.
 
+S1-S7 (`benchmarks/search.py`) and the large scenarios of `benchmarks/scale.py` (L70, L70-8k, L8, L405).
 Per scenario the model is captured once (folded), every applicable expert schedule (`experts`: DP, FSDP,
-HSDP, ZeRO-1/2, Megatron, Megatron with sequence parallelism, context parallelism, expert parallelism, and
-their compositions with DP) is costed with the cost model, and the search runs on the same program with an
-episode budget (the same plan on every run); the row reads the found plan's predicted step time against the
-best expert that fits. The figures are the cost model's (calibrated against XLA: docs/cost-model.md); the
-engines' measured programs are `partir_torch.verify`'s and `benchmarks/engine_torch.py`'s.
+HSDP, ZeRO-1/2, Megatron, Megatron with sequence parallelism, context parallelism, expert parallelism, their
+compositions with DP / FSDP, and on meshes with slow axes DP across them with FSDP inside) is costed, and
+the search runs on the same program with an episode budget (the same plan on every run; 200, the CLI's
+default); the row reads the found plan's predicted step time against the best expert that fits, and the
+anytime curve the same ratio after smaller and larger budgets. The figures are the cost model's (calibrated
+against XLA: docs/cost-model.md); `engines.py` runs the zoo's plans on the engines.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ SCENARIOS: dict[str, tuple[str, dict[str, str], str, str, tuple[str, ...]]] = {
     "S5": ("gns", {}, "tpu-v4", "batch=2,model=4", ()),
     "S6": ("moe", {}, "h100-sxm", "batch=2,expert=8", ("batch",)),
     "S7": ("mlp", {"batch": "65536", "width": "64", "hidden": "256"}, "cpu-virtual", "batch=8", ()),
-    # the large scenarios of benchmarks/scale.py (":dcn" marks the slow axes; the last axis is the model axis)
+}
+# the large scenarios of benchmarks/scale.py (":dcn" marks the slow axes; the last axis is the model axis)
+LARGE: dict[str, tuple[str, dict[str, str], str, str, tuple[str, ...]]] = {
     "L70": ("llama2-70b", {}, "tpu-v5p", "data=16:dcn,fsdp=16,model=8", ()),
     "L70-8k": ("llama2-70b", {"batch": "1024"}, "tpu-v5p", "pod=4:dcn,data=16:dcn,fsdp=16,model=8", ()),
     "L8": ("llama3-8b", {}, "h100-sxm", "data=8:dcn,model=8", ()),
     "L405": ("llama3-405b", {}, "tpu-v5p", "pod=4:dcn,data=8:dcn,fsdp=16,model=16", ()),
 }
+ALL = SCENARIOS | LARGE
 # L405 as trained fits no expert in 95 GiB (no activation recomputation in the model): its limit is lifted
 MEMORY = {"L405": "4TiB"}
 QUICK = ("S1", "S2", "S3", "S5", "S6", "S7", "L8")  # (the U-Net's captures take most of a full run's time)
@@ -95,7 +99,7 @@ def run(name: str, episodes: int = 200, anytime: tuple[int, ...] = ()) -> dict[s
     from partir_torch.tactics import apply_schedule
     from partir_torch.workload import load
 
-    model_name, over, hw_name, mesh_text, dcn = SCENARIOS[name]
+    model_name, over, hw_name, mesh_text, dcn = ALL[name]
     hw, (mesh, marked) = hardware(hw_name), parse_mesh(mesh_text)
     dcn_axes, limit = frozenset(dcn) | marked, parse_bytes(MEMORY.get(name))
     model, inputs, loss_fn = load(model_name, over)

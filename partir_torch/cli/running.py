@@ -98,10 +98,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from partir_torch.bench import engines, report, scenarios
 
     names = [s for s in (args.only or "").split(",") if s] or list(scenarios.QUICK if args.quick
-                                                                    else scenarios.SCENARIOS)
-    unknown = [s for s in names if s not in scenarios.SCENARIOS]
+                                                                    else scenarios.ALL)
+    unknown = [s for s in names if s not in scenarios.ALL]
     if unknown:
-        raise PartirError(f"unknown scenario(s) {unknown}; the scenarios: {', '.join(scenarios.SCENARIOS)}")
+        raise PartirError(f"unknown scenario(s) {unknown}; the scenarios: {', '.join(scenarios.ALL)}")
     if args.anytime is not None:
         try:
             budgets = tuple(int(b) for b in args.anytime.split(",") if b)
