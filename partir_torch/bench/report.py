@@ -22,6 +22,13 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def chart(name: str, row: dict[str, Any], path: Path) -> Path:
     """The found plan's predicted step time beside each expert's: compute and communication per axis stacked,
     peak memory above each bar, an expert that does not fit hatched."""
@@ -43,10 +50,7 @@ def chart(name: str, row: dict[str, Any], path: Path) -> Path:
     ratio = f"{row['ratio']:.3f} x the best expert ({row['best_expert']})" if "ratio" in row else "no expert fits"
     ax.set_title(f"{name}: {row['model']} on {row['mesh']}, {row['hardware']}: found = {ratio}", fontsize=8)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def anytime_chart(rows: dict[str, dict[str, Any]], path: Path) -> Path:
@@ -63,10 +67,7 @@ def anytime_chart(rows: dict[str, dict[str, Any]], path: Path) -> Path:
     ax.set_ylabel("found / best expert (predicted step)", fontsize=8)
     ax.set_title("anytime: the found plan against the best expert that fits", fontsize=9)
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def engine_chart(rows: list[dict[str, Any]], mesh: str, path: Path) -> Path:
@@ -88,10 +89,7 @@ def engine_chart(rows: list[dict[str, Any]], mesh: str, path: Path) -> Path:
         ax.set_ylabel(f"step on {hw} from measured bytes (ms)", fontsize=7)
         ax.set_title(f"{mesh}, {hw}", fontsize=8)
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _verdict(row: dict[str, Any], engine: str, hw: str) -> dict[str, Any]:
