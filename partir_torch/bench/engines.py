@@ -31,7 +31,7 @@ from typing import Any
 
 MODELS = ("tiny-mlp", "tiny-gpt2", "tiny-llama", "tiny-gns", "tiny-moe", "tiny-vit", "tiny-unet")
 MESHES = ("batch=8", "batch=2,model=4", "batch=2,model=2,x=2")
-QUICK_MODELS, QUICK_MESHES = ("tiny-mlp", "tiny-gpt2"), ("batch=2,model=4",)
+QUICK_MODELS, QUICK_MESHES = ("tiny-mlp", "tiny-gpt2"), ("batch=8",)
 HARDWARE = ("h100-sxm", "tpu-v5p")
 MEMORY = 0.5  # each plan's per-device memory limit, as a fraction of the replicated step's peak
 BATCH = {"tiny-gns": {}}  # the GNS's 16 nodes and 48 edges divide 8 as they are

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "large ones (cost model, with the anytime curve) and the zoo through both "
                                       "engines (measured), written to docs/benchmarks.md with charts")
     bn.add_argument("--quick", action="store_true", help="the scenarios without the U-Net and the large ones but "
-                    "L8, two anytime budgets, the engines on two models and one mesh (under 10 minutes)")
+                    "L8, two anytime budgets, the engines on two models on {batch: 8} (under 10 minutes)")
     bn.add_argument("--only", help="comma-separated scenarios, e.g. S1,L70 (no engine part unless --engines-from)")
     bn.add_argument("--episodes", type=int, default=200, help="the search's budget (default: 200, as plan's)")
     bn.add_argument("--anytime", help="comma-separated episode budgets of the anytime curve (default: 25,50,100,"
@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--engines-from", metavar="JSON", help="the engine part from an earlier "
                     "`benchmarks/engine.py` run instead of running it (the full run takes about an hour here)")
     bn.add_argument("--no-engines", action="store_true", help="skip the engine part")
+    bn.add_argument("--scenarios-from", metavar="JSON", help="the scenario rows of an earlier run's --json")
+    bn.add_argument("--json", metavar="PATH", help="also write the scenario rows as JSON")
     bn.add_argument("--out", default="docs", help="where benchmarks.md and the charts go (default: docs)")
     bn.set_defaults(fn=cmd_bench)
 

@@ -110,11 +110,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         budgets = () if args.only else (50, 200) if args.quick else scenarios.ANYTIME
     rows = {}
-    for name in names:
+    if args.scenarios_from:
+        rows = {k: v for k, v in json.loads(Path(args.scenarios_from).read_text()).items() if k in names}
+    for name in [n for n in names if n not in rows]:
         rows[name] = row = scenarios.run(name, args.episodes, budgets)
         ratio = f"{row['ratio']:.3f} x the best expert ({row['best_expert']})" if "ratio" in row else "no expert fits"
         print(f"{name}: found {row['found']['step_time_s'] * 1e3:.2f} ms = {ratio}, searched in "
               f"{row['found']['search_s']:.1f} s", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     engine_rows, engine_episodes = None, args.episodes
     if args.engines_from:
         got = json.loads(Path(args.engines_from).read_text())

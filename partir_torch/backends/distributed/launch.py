@@ -61,9 +61,18 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
 
 
 def _serve(rank: int, world: int, port: int, backend: str, jobs: Any, results: Any) -> None:
+    parent = os.getppid()
     _join(rank, world, port, backend)
     try:
-        while (job := jobs.get()) is not None:
+        while True:
+            try:
+                job = jobs.get(timeout=2.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the process that started the ranks was killed: stop with it
+                    break
+                continue
+            if job is None:
+                break
             fn, args = job
             try:
                 results.put((rank, True, fn(rank, world, *args)))

@@ -1,0 +1,48 @@
+"""`backends/distributed/launch.py`: the ranks `Workers` starts stop with the process that started them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+SCRIPT = """
+import os, sys, time
+from partir_torch.launch import Workers
+
+def pid(rank, world):
+    return os.getpid()
+
+if __name__ == "__main__":
+    w = Workers(2, timeout=60)
+    print("ranks", *w.run(pid), flush=True)
+    time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ranks_stop_when_the_process_that_started_them_is_killed(tmp_path):
+    script = tmp_path / "start.py"
+    script.write_text(SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True)
+    line = next(ln for ln in parent.stdout if ln.startswith("ranks"))
+    ranks = [int(p) for p in line.split()[1:]]
+    assert len(ranks) == 2 and all(_alive(p) for p in ranks)
+    parent.kill()  # SIGKILL: no atexit, no daemon clean-up
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [p for p in ranks if _alive(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert not left, f"ranks {left} outlived the killed process that started them"
