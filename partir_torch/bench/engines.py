@@ -290,6 +290,12 @@ def verdicts(row: dict[str, Any]) -> list[dict[str, Any]]:
             v: dict[str, Any] = {"engine": engine, "hardware": hw, "found_fits": fits(found),
                                  "experts_fitting": len(fitting), "experts": len(experts)}
             fm = found["measured"].get(engine, {})
+            if "step_s" in fm and not v["found_fits"]:
+                pred, peak = found["predicted"][hw], fm["peak"]
+                v["memory"] = (f"the found plan measures {peak / 1024:.0f} KiB, over the limit "
+                               f"{row['limits'][hw] / 1024:.0f} KiB (predicted {pred['peak'] / 1024:.0f} KiB)"
+                               if pred["feasible"] else f"the search found no plan within the limit "
+                               f"{row['limits'][hw] / 1024:.0f} KiB (its plan: {pred['peak'] / 1024:.0f} KiB)")
             if "step_s" not in fm:
                 v["why"] = f"the found plan did not run: {fm.get('error', 'not measured')}"
             elif fitting:

@@ -100,7 +100,7 @@ def _verdict(row: dict[str, Any], engine: str, hw: str) -> dict[str, Any]:
 def _cell(v: dict[str, Any]) -> str:
     if "ratio" not in v:
         return v.get("why", "no expert fits")[:60] if v.get("why") else "no expert fits"
-    mark = " *" if v.get("why") else ""
+    mark = (" *" if v.get("why") else "") + (" †" if v.get("memory") else "")
     return f"{v['ratio']:.3f} ({v['best']}){mark}"
 
 
@@ -117,11 +117,12 @@ def engine_lines(rows: list[dict[str, Any]], episodes: int, out: Path) -> list[s
              "cell is the found plan's step over the best fitting expert's, both *from the bytes the engine "
              "moved* (the cost model's compute plus each collective run, priced at the hardware's bandwidth and "
              "latency on its axes); the expert named is the best. An expert fits when its predicted and its "
-             "measured peak are both within the limit. `*`: slower, with the reason below.", "",
+             "measured peak are both within the limit. `*`: slower, `†`: the found plan over the limit as "
+             "measured, with the reasons below.", "",
              f"| model | mesh | distinct plans | found ({HARDWARE[0]}) | {' | '.join(heads)} "
              "| torch_xla auto-sharding |",
              "|---|---|---|---|" + "---|" * len(heads) + "---|"]
-    slower = []
+    slower, over = [], []
     for r in rows:
         found = next(p for p in r["plans"] if f"found {HARDWARE[0]}" in p["names"])
         acts = "; ".join(found["actions"]) or "(replicated)"
@@ -134,6 +135,8 @@ def engine_lines(rows: list[dict[str, Any]], episodes: int, out: Path) -> list[s
                 cells.append(_cell(v))
                 if v.get("why"):
                     slower.append(f"- {r['model']} on {r['mesh']}, {e}, {hw}: {v['why']}")
+                if v.get("memory"):
+                    over.append(f"- {r['model']} on {r['mesh']}, {e}, {hw}: {v['memory']}")
         auto = r.get("xla_auto", {})
         if "error" in auto:
             auto_cell = f"failed: {auto['error'][:60]}"
@@ -148,7 +151,10 @@ def engine_lines(rows: list[dict[str, Any]], episodes: int, out: Path) -> list[s
         lines.append(f"| {r['model']} | {r['mesh']} | {len(r['plans'])} | `{acts}` | {' | '.join(cells)} | "
                      f"{auto_cell} |")
     if slower:
-        lines += ["", "Where the found plan measures slower than an expert:", "", *slower]
+        lines += ["", "`*` Where the found plan measures slower than the best expert that fits:", "", *slower]
+    if over:
+        lines += ["", "`†` Where the found plan's measured peak is over the limit (the engine's memory against the "
+                  "cost model's, docs/engines.md):", "", *over]
     lines += ["", "### Measured bytes against predicted", "",
               "Every distinct plan's collective bytes as the engine ran them over the plan's prediction (torch_xla: "
               "the prediction in XLA's form, one collective over several axes where the plan sums over them, "

@@ -70,6 +70,9 @@ def test_a_slower_found_plan_says_why_and_an_expert_over_the_limit_is_not_the_ba
     (v, *_) = engines.verdicts(_row(2.5e-3, 2.5e-3, 1200))  # FSDP measured over the limit: DP is the best that fits
     assert v["best"] == "DP" and v["ratio"] < 1 and "why" not in v and v["experts_fitting"] == 1
     row = _row(2.5e-3, 1e-3, 800)
+    row["plans"][2]["measured"]["torch"]["peak"] = 2048  # the found plan over the limit as measured: said
+    (v, *_) = engines.verdicts(row)
+    assert not v["found_fits"] and v["memory"].startswith("the found plan measures 2 KiB, over the limit 1 KiB")
     del row["plans"][2]["measured"]["torch"]["step_s"]  # the found plan did not run: said, no ratio
     assert "ratio" not in engines.verdicts(row)[0] and "did not run" in engines.verdicts(row)[0]["why"]
 
