@@ -50,7 +50,8 @@ def test_priced_collectives_cost_what_the_cost_model_says_on_fast_and_slow_axes(
 
 def _row(found_measured: float, found_predicted: float, expert_peak: int) -> dict:
     def plan(names, predicted, measured, peak):
-        return {"names": names, "predicted": {hw: {"step_s": predicted, "feasible": True} for hw in engines.HARDWARE},
+        return {"names": names, "predicted": {hw: {"step_s": predicted, "feasible": True, "peak": 900}
+                                              for hw in engines.HARDWARE},
                 "predicted_bytes": {"all-reduce": {"batch": 4096}},
                 "measured": {"torch": {"step_s": dict.fromkeys(engines.HARDWARE, measured), "peak": peak,
                                        "collectives": [["all-reduce", ["batch"], 1, 8192]]}}}
