@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from partir_torch.bench.engines import BYTES_BAR, HARDWARE, MEMORY, verdicts
+from partir_torch.bench.engines import BYTES_BAR, HARDWARE, MEMORY, MESHES, MODELS, verdicts
 from partir_torch.bench.scenarios import SIMPLICITY
 
 
@@ -178,6 +178,11 @@ def engine_lines(rows: list[dict[str, Any]], episodes: int, out: Path) -> list[s
                for k, why in r.get("failed", {}).items()]
     if errors:
         lines += ["", "Plans that did not run or apply:", "", *errors]
+    done = {(r["model"], r["mesh"]) for r in rows}
+    missing = [f"{m} on {mesh}" for mesh in MESHES for m in MODELS if (m, mesh) not in done]
+    if missing and any(r["mesh"] in MESHES for r in rows):
+        lines += ["", f"Not in this run ({len(missing)} of {len(MODELS) * len(MESHES)}; `benchmarks/engine.py "
+                  "--models ... --meshes ...` runs them): " + ", ".join(missing) + "."]
     for mesh in dict.fromkeys(r["mesh"] for r in rows):
         png = engine_chart(rows, mesh, out / f"bench-engines-{mesh.replace('=', '').replace(',', '-')}.png")
         lines += ["", f"![{mesh}]({png.name})"]
