@@ -21,8 +21,6 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     from partir_torch.bench import engines
-    from partir_torch.ir.mesh import parse_mesh
-    from partir_torch.launch import Workers
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=list(engines.MODELS))
@@ -31,17 +29,16 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", default=["torch", "torch_xla"])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine.json"))
     args = ap.parse_args()
-    out, rows, t0 = Path(args.out), [], time.perf_counter()
-    for mesh in args.meshes:
-        with Workers(parse_mesh(mesh)[0].devices, timeout=7200) as w:
-            for name in args.models:
-                rows.append(engines.run_one(name, mesh, args.episodes, tuple(args.engines), w))
-                for v in rows[-1]["verdicts"]:
-                    print(f"  {v['engine']} {v['hardware']}: found / best expert "
-                          f"{v.get('ratio', float('nan')):.3f} ({v.get('best')}) {v.get('why', '')}", flush=True)
-                out.write_text(json.dumps({"episodes": args.episodes, "rows": rows}, indent=1, default=str))
-    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
+    out, t0 = Path(args.out), time.perf_counter()
 
+    def save(rows: list[dict]) -> None:
+        for v in rows[-1]["verdicts"]:
+            print(f"  {v['engine']} {v['hardware']}: found / best expert "
+                  f"{v.get('ratio', float('nan')):.3f} ({v.get('best')}) {v.get('why', '')}", flush=True)
+        out.write_text(json.dumps({"episodes": args.episodes, "rows": rows}, indent=1, default=str))
+
+    engines.run(args.models, args.meshes, args.episodes, tuple(args.engines), on_row=save)
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
 
 if __name__ == "__main__":
     main()

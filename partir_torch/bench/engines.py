@@ -256,10 +256,9 @@ def run_one(name: str, mesh_text: str, episodes: int, engines: tuple[str, ...], 
             got = {k: v for k, v in m.items() if k != "by_axis"}
             if "collectives" in m:
                 got["bytes_ratio"] = bytes_ratio(c, engine)
-                got["step_s"] = {hw: c.predicted[hw]["compute_s"] + sum(priced(m["collectives"], axes,
-                                                                               hardware(hw), dcn).values())
-                                 for hw in HARDWARE}
                 got["comm_s"] = {hw: priced(m["collectives"], axes, hardware(hw), dcn) for hw in HARDWARE}
+                got["step_s"] = {hw: c.predicted[hw]["compute_s"] + sum(got["comm_s"][hw].values())
+                                 for hw in HARDWARE}
             entry["measured"][engine] = got
         row["plans"].append(entry)
     if auto is not None:
@@ -340,17 +339,20 @@ def _why(found: dict, best: dict, engine: str, hw: str) -> str:
             + ("; ".join(parts) or "the same collectives in another grouping"))
 
 
-def run(models=MODELS, meshes=MESHES, episodes: int = 200, engines=("torch", "torch_xla"), log=print
-        ) -> list[dict[str, Any]]:
-    """Every model on every mesh (the torch backend's ranks started once per mesh)."""
+def run(models=MODELS, meshes=MESHES, episodes: int = 200, engines=("torch", "torch_xla"), log=print,
+        on_row=None) -> list[dict[str, Any]]:
+    """Every model on every mesh (the torch backend's ranks started once per mesh); `on_row(rows)` after each."""
+    from contextlib import nullcontext
+
     from partir_torch.ir.mesh import parse_mesh
     from partir_torch.launch import Workers
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for mesh_text in meshes:
-        if "torch" in engines:
-            with Workers(parse_mesh(mesh_text)[0].devices, timeout=7200) as w:
-                rows += [run_one(name, mesh_text, episodes, engines, w, log) for name in models]
-        else:
-            rows += [run_one(name, mesh_text, episodes, engines, None, log) for name in models]
+        ranks = (Workers(parse_mesh(mesh_text)[0].devices, timeout=7200) if "torch" in engines else nullcontext())
+        with ranks as w:
+            for name in models:
+                rows.append(run_one(name, mesh_text, episodes, engines, w, log))
+                if on_row is not None:
+                    on_row(rows)
     return rows
