@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,6 +112,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
                                       compile=compile, options=opts)
         log.info("partir_torch: sharded %s over %s on torch.distributed\n%s", type(model).__name__, mesh,
                  model.partir_plan.table())
+        _warn_scheduler(optimizer)
         return model, opt
     if compile:
         raise PartirError("compile=True is the torch backend's (torch.compile of the rank program); torch_xla "
@@ -127,7 +129,16 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
                                plan=plan)
     opt = xla.apply(model, optimizer, the_plan, xla.device_mesh(m, the_plan.dcn_axes), loss_fn=loss_fn)
     log.info("partir_torch: sharded %s over %s\n%s", type(model).__name__, m, the_plan.table())
+    _warn_scheduler(optimizer)
     return model, opt
+
+
+def _warn_scheduler(optimizer: torch.optim.Optimizer) -> None:
+    """An LR scheduler built on the optimizer passed in would go on scheduling it, not the one returned."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # (what torch's LRScheduler marks its optimizer with)
+        warnings.warn("an LR scheduler was built on the optimizer passed to auto_shard: it changes that optimizer's "
+                      "learning rate, and the returned optimizer trains the model; build the scheduler on the "
+                      "returned optimizer, or point it there (`scheduler.optimizer = optimizer`)", stacklevel=3)
 
 
 def _backend_of(model: nn.Module) -> str | None:

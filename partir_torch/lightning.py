@@ -85,6 +85,14 @@ def _loss_of(out: Any) -> torch.Tensor:
     return loss
 
 
+def _repoint(strategy, template: torch.optim.Optimizer, opt: torch.optim.Optimizer) -> None:
+    """The rebuilt optimizer replaces `configure_optimizers`' one, and its LR schedulers now schedule it."""
+    strategy.optimizers = [opt]
+    for config in strategy.lr_scheduler_configs:
+        if getattr(config.scheduler, "optimizer", None) is template:
+            config.scheduler.optimizer = opt
+
+
 class _Silenced:
     """`module.log` / `log_dict` as no-ops while the step is captured on fake tensors."""
 
@@ -176,10 +184,7 @@ class AutoShardStrategy(SingleDeviceStrategy):
             plan, m = checked_plan(module, example, self._mesh_arg, loss_fn=loss_fn, optimizer=template,
                                    options=options, plan=self.plan)
         opt = xla.apply(module, template, plan, xla.device_mesh(m, plan.dcn_axes), loss_fn=loss_fn)
-        self.optimizers = [opt]
-        for config in self.lr_scheduler_configs:
-            if getattr(config.scheduler, "optimizer", None) is template:
-                config.scheduler.optimizer = opt
+        _repoint(self, template, opt)
         self.plan, self._sharded = plan, True
         module.print(f"partir_torch: {type(module).__name__} sharded over {m}\n{plan.table()}")
 
@@ -249,9 +254,6 @@ class TorchAutoShardStrategy(DDPStrategy):
         if len(self.optimizers) != 1:
             raise PartirError(f"AutoShardStrategy shards one optimizer; configure_optimizers returned "
                               f"{len(self.optimizers)}")
-        if self.lr_scheduler_configs:
-            raise PartirError("AutoShardStrategy(backend='torch') runs the optimizer as captured: an LR scheduler is "
-                              "not supported on the torch backend yet (use backend='xla', or none)")
         template = self.optimizers[0]
 
         def loss_fn(model, *xs: torch.Tensor) -> torch.Tensor:
@@ -263,7 +265,7 @@ class TorchAutoShardStrategy(DDPStrategy):
         with _Silenced(module):
             _, opt = shard.auto_shard(module, [leaves[i] for i in tensors], self._mesh_arg, loss_fn=loss_fn,
                                       optimizer=template, plan=self.plan, compile=self.compile, options=self.options)
-        self.optimizers = [opt]
+        _repoint(self, template, opt)
         self.plan, self._sharded, self._tensors = module.partir_plan, True, tensors
         if self.global_rank == 0:
             module.print(f"partir_torch: {type(module).__name__} sharded over {self.mesh} on torch.distributed\n"

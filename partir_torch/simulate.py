@@ -156,6 +156,8 @@ def simulate(
         for s, vid in st.items():
             if s not in program.shared_states:
                 flat[vid] = (opt_states or {})[p][s]
+    for h, vid in program.hypers.items():
+        flat[vid] = torch.tensor(program.hyper_values[h], dtype=torch.float32)
     for i, vid in enumerate(program.inputs):
         flat[vid] = inputs[i]
     for attr, vid in program.constants.items():

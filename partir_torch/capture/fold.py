@@ -108,14 +108,22 @@ def weights(program: Program) -> tuple[list[int], list[int]]:
         if v.producer < 0 or v.role in (Role.GRADIENT, Role.OPT_STATE, Role.PARAMETER):
             m = _PARAM_IN_NAME.search(v.name)
             own[v.id] = _element_weight(m.group(1) if m else v.name, fold)
+    # the optimizer's scalars shared by every parameter (the step, each group's lr, what is computed from them
+    # alone) belong to no element: they never decide an op's
+    shared = [v.producer < 0 and v.role is Role.OPT_STATE and not v.shape for v in vals]
     op_w = [1] * n_ops
     for op in program.ops:
+        if op.module is None and op.inputs and all(shared[i] for i in op.inputs):
+            for o in op.outputs:
+                if o >= 0:
+                    shared[o] = True
         if op.module is not None:
             w = _element_weight(op.module, fold)
         else:  # optimizer or unattributed (gradient accumulation) op: the element of its newest input
-            made = [i for i in op.inputs if vals[i].producer >= 0]
+            mine = [i for i in op.inputs if not shared[i]]
+            made = [i for i in mine if vals[i].producer >= 0]
             newest = max(made, key=lambda i: vals[i].producer) if made else None
-            w = own[newest] if made else max((own[i] for i in op.inputs), default=1)
+            w = own[newest] if made else max((own[i] for i in mine), default=1)
             if newest is not None and ops[vals[newest].producer].module is None and op.phase is Phase.BACKWARD:
                 # the newest input is itself a finished accumulation that reached this one through an identity
                 # backward (a residual add): it is the gradient of a block's input passed on to the value

@@ -10,14 +10,18 @@ from this is caught.
 The captured step is the steady state: every state tensor exists (SGD's momentum buffer too), as after the
 first `optimizer.step()`. torch keeps one step counter per parameter, all equal; here the counter is one
 shared scalar state (`opt.step`; NAdam's momentum product too, `opt.mu_product`) and the bias corrections
-are computed once per distinct hyperparameter set, which keeps the optimizer phase at ~8 ops per parameter
-instead of ~20 (same values, fewer scalar ops).
+are computed once per param group, which keeps the optimizer phase at ~8 ops per parameter instead of ~20
+(same values, fewer scalar ops).
+
+Each param group's learning rate is an input of the step (`opt.lr[g]`, a 0-dim float32), not a constant:
+an LR scheduler changes it between steps and the same program runs (torch's tensor-lr forms: `addcmul` by
+the lr where torch.optim would `add(alpha=-lr)`). The other hyperparameters are constants of the program.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +36,9 @@ CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "adagrad": torch.optim.Adagrad, "adafactor": torch.optim.Adafactor, "nadam": torch.optim.NAdam,
     "radam": torch.optim.RAdam, "adamax": torch.optim.Adamax,
 }
-_IMPL_ONLY = {"foreach", "fused", "capturable", "params", "initial_lr", "name"}
+_IMPL_ONLY = {"foreach", "fused", "capturable", "params", "name",
+              # what LR schedulers add to a group (the lr itself is an input of the step)
+              "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"}
 # by name, SGD gets momentum (a plan for plain SGD has no state to shard) and the lr capture always used
 _NAME_DEFAULTS = {"sgd": {"lr": 1e-2, "momentum": 0.9}}
 
@@ -81,6 +87,12 @@ class OptimizerSpec:
             return {"row_var": (*shape[:-1], 1), "col_var": (*shape[:-2], 1, shape[-1])}
         return {"variance": tuple(shape)}
 
+    def hypers(self, params: Iterable[str]) -> dict[str, float]:
+        """The hyperparameter inputs of a step updating `params`, by name, with their values now: the lr of
+        each param group they belong to, in group order."""
+        groups = {self.hparams[n]["group"]: float(self.hparams[n]["lr"]) for n in params}
+        return {f"lr[{g}]": groups[g] for g in sorted(groups)}
+
     @property
     def shared_states(self) -> tuple[str, ...]:
         """Scalar float32 states shared by all parameters (the step count; NAdam's momentum product)."""
@@ -106,9 +118,13 @@ class OptimizerSpec:
         state: Mapping[str, torch.Tensor],
         shared: Mapping[str, torch.Tensor],
         cache: dict[Any, Any],
+        hypers: Mapping[str, torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """One out-of-place update: (new param, new per-parameter state). `shared` holds the advanced states."""
-        hp = self.hparams[param_name]
+        """One out-of-place update: (new param, new per-parameter state). `shared` holds the advanced states,
+        `hypers` the step's hyperparameter inputs (`hypers`' names)."""
+        hp = dict(self.hparams[param_name])
+        lr = hypers[f"lr[{hp['group']}]"]
+        hp["lr"] = lr.to(torch.float64) if p.dtype == torch.float64 else lr
         if self.kind == "sgd":
             return _sgd(p, g, state, **hp)
         step = shared["step"].to(torch.float64) if p.dtype == torch.float64 else shared["step"]
@@ -148,10 +164,20 @@ def _mu(beta1: float, momentum_decay: float, step: torch.Tensor) -> torch.Tensor
     return beta1 * (1.0 - 0.5 * torch.pow(0.96, step * momentum_decay))
 
 
-def _decay(p, g, lr, weight_decay, decoupled):
+def _decay(p, g, lr, weight_decay, decoupled, cache, group):
     if weight_decay == 0:
         return p, g
-    return (p.mul(1 - lr * weight_decay), g) if decoupled else (p, g.add(p, alpha=weight_decay))
+    return (p.mul(_shrink(lr, weight_decay, cache, group, p.dtype)), g) if decoupled else \
+        (p, g.add(p, alpha=weight_decay))
+
+
+def _shrink(lr, weight_decay, cache, group, dtype):
+    """Decoupled weight decay's factor `1 - lr * weight_decay`, once per param group (a scalar op per
+    parameter would cost a launch each)."""
+    key = ("decay", group, weight_decay, dtype)
+    if key not in cache:
+        cache[key] = 1 - lr * weight_decay
+    return cache[key]
 
 
 def _sgd(p, g, state, *, lr, momentum, dampening, weight_decay, nesterov, maximize, **_):
@@ -163,15 +189,15 @@ def _sgd(p, g, state, *, lr, momentum, dampening, weight_decay, nesterov, maximi
         buf = state["momentum_buffer"].mul(momentum).add(g, alpha=1 - dampening)
         new_state["momentum_buffer"] = buf
         g = g.add(buf, alpha=momentum) if nesterov else buf
-    return p.add(g, alpha=-lr), new_state
+    return p.addcmul(g, lr, value=-1), new_state
 
 
-def _adam(p, g, state, step, cache, *, lr, betas, eps, weight_decay, amsgrad, decoupled, **_):
+def _adam(p, g, state, step, cache, *, lr, betas, eps, weight_decay, amsgrad, decoupled, group, **_):
     beta1, beta2 = betas
-    p, g = _decay(p, g, lr, weight_decay, decoupled)
+    p, g = _decay(p, g, lr, weight_decay, decoupled, cache, group)
     exp_avg = state["exp_avg"].lerp(g, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(g, g, value=1 - beta2)
-    key = ("adam", lr, beta1, beta2, eps, p.dtype)
+    key = ("adam", group, beta1, beta2, eps, p.dtype)
     if key not in cache:  # scalar bias-correction terms, as torch's capturable path computes them (in float64
         # for a float64 parameter: torch's default path computes them in Python floats)
         bias_correction1 = 1 - torch.pow(beta1, step)
@@ -203,42 +229,42 @@ def _rmsprop(p, g, state, step, shared, cache, *, lr, alpha, eps, weight_decay, 
     if momentum > 0:
         buf = state["momentum_buffer"].mul(momentum).addcdiv(g, avg)
         new_state["momentum_buffer"] = buf
-        return p.add(buf, alpha=-lr), new_state
-    return p.addcdiv(g, avg, value=-lr), new_state
+        return p.addcmul(buf, lr, value=-1), new_state
+    return p.addcmul(g.div(avg), lr, value=-1), new_state
 
 
-def _adagrad(p, g, state, step, shared, cache, *, lr, lr_decay, weight_decay, eps, **_):
+def _adagrad(p, g, state, step, shared, cache, *, lr, lr_decay, weight_decay, eps, group, **_):
     if weight_decay != 0:
         g = g.add(p, alpha=weight_decay)
     total = state["sum"].addcmul(g, g, value=1)
     std = total.sqrt().add(eps)
     if lr_decay == 0:
-        return p.addcdiv(g, std, value=-lr), {"sum": total}
-    key = ("adagrad", lr, lr_decay, p.dtype)
+        return p.addcmul(g.div(std), lr, value=-1), {"sum": total}
+    key = ("adagrad", group, lr_decay, p.dtype)
     if key not in cache:
         cache[key] = -lr / (1 + (step - 1) * lr_decay)
     return p.add(g.div(std).mul(cache[key])), {"sum": total}
 
 
-def _adamax(p, g, state, step, shared, cache, *, lr, betas, eps, weight_decay, **_):
+def _adamax(p, g, state, step, shared, cache, *, lr, betas, eps, weight_decay, group, **_):
     beta1, beta2 = betas
     if weight_decay != 0:
         g = g.add(p, alpha=weight_decay)
     exp_avg = state["exp_avg"].lerp(g, 1 - beta1)
     exp_inf = torch.maximum(state["exp_inf"].mul(beta2), g.abs().add(eps))
-    key = ("adamax", lr, beta1, p.dtype)
+    key = ("adamax", group, beta1, p.dtype)
     if key not in cache:  # torch's capturable form: (beta1^t - 1) / lr
         cache[key] = (torch.pow(beta1, step) - 1) / lr
     return p.addcdiv(exp_avg, exp_inf * cache[key]), {"exp_avg": exp_avg, "exp_inf": exp_inf}
 
 
 def _nadam(p, g, state, step, shared, cache, *, lr, betas, eps, weight_decay, momentum_decay,
-           decoupled_weight_decay, **_):
+           decoupled_weight_decay, group, **_):
     beta1, beta2 = betas
-    p, g = _decay(p, g, lr, weight_decay, decoupled_weight_decay)
+    p, g = _decay(p, g, lr, weight_decay, decoupled_weight_decay, cache, group)
     exp_avg = state["exp_avg"].lerp(g, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(g, g, value=1 - beta2)
-    key = ("nadam", lr, beta1, beta2, momentum_decay, p.dtype)
+    key = ("nadam", group, beta1, beta2, momentum_decay, p.dtype)
     if key not in cache:
         mu, mu_next = _mu(beta1, momentum_decay, step), _mu(beta1, momentum_decay, step + 1)
         mu_product = shared["mu_product"].to(step.dtype)
@@ -250,9 +276,9 @@ def _nadam(p, g, state, step, shared, cache, *, lr, betas, eps, weight_decay, mo
     return p, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
-def _radam(p, g, state, step, shared, cache, *, lr, betas, eps, weight_decay, decoupled_weight_decay, **_):
+def _radam(p, g, state, step, shared, cache, *, lr, betas, eps, weight_decay, decoupled_weight_decay, group, **_):
     beta1, beta2 = betas
-    p, g = _decay(p, g, lr, weight_decay, decoupled_weight_decay)
+    p, g = _decay(p, g, lr, weight_decay, decoupled_weight_decay, cache, group)
     exp_avg = state["exp_avg"].lerp(g, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(g, g, value=1 - beta2)
     key = ("radam", beta1, beta2, p.dtype)
@@ -269,14 +295,14 @@ def _radam(p, g, state, step, shared, cache, *, lr, betas, eps, weight_decay, de
     return p, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
-def _adafactor(p, g, state, step, shared, cache, *, lr, beta2_decay, eps, d, weight_decay, **_):
+def _adafactor(p, g, state, step, shared, cache, *, lr, beta2_decay, eps, d, weight_decay, group, **_):
     eps1, eps2 = eps
     eps1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
     one_minus_beta2 = torch.pow(step, beta2_decay)
     rho = torch.clamp(step.rsqrt(), max=lr)
     alpha = torch.clamp(torch.linalg.vector_norm(p) / math.sqrt(p.numel()), min=eps2) * rho
     if weight_decay != 0:
-        p = p.mul(1 - lr * weight_decay)
+        p = p.mul(_shrink(lr, weight_decay, cache, group, p.dtype))
     if g.dim() > 1:
         row_mean = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square().div(g.size(-1))
         col_mean = torch.linalg.vector_norm(g, dim=-2, keepdim=True).square().div(g.size(-2))
@@ -322,7 +348,7 @@ def _check_options(kind: str, cls: str, group: Mapping[str, Any], index: int) ->
         hp[key] = val
     if kind == "sgd" and hp.get("nesterov") and (hp.get("momentum", 0) == 0 or hp.get("dampening", 0) != 0):
         raise UnsupportedOptimizerError("SGD option 'nesterov' needs momentum > 0 and dampening = 0")
-    return {**_DEFAULTS[kind], **hp}
+    return {**_DEFAULTS[kind], **hp, "group": index}
 
 
 def optimizer_spec(
@@ -342,7 +368,8 @@ def optimizer_spec(
                 f"unknown optimizer {optimizer!r}; capture knows {sorted(_DEFAULTS)} by name, or pass an instance "
                 f"of one of {_supported()}"
             )
-        return OptimizerSpec(kind, {n: dict(_DEFAULTS[kind]) for n, p in named_params.items() if p.requires_grad})
+        return OptimizerSpec(kind, {n: {**_DEFAULTS[kind], "group": 0} for n, p in named_params.items()
+                                   if p.requires_grad})
     kind = _BY_CLASS.get(type(optimizer))
     cls = type(optimizer).__name__
     if kind is None:

@@ -131,11 +131,13 @@ def capture(
     shapes = {n: spec.state_shapes(n, tuple(params[n].shape)) for n in updated} if spec else {}
     states = {n: tuple(shapes[n]) for n in updated}
     shared = spec.shared_states if spec and updated else ()
+    hypers = spec.hypers(updated) if spec else {}
 
-    # Flat argument list: params, buffers, optimizer states, inputs (this order is Program.run's too).
+    # Flat argument list: params, buffers, shared optimizer states, hyperparameters, per-parameter states,
+    # inputs (this order is Program.run's too).
     flat_meta: list[tuple[tuple[int, ...], torch.dtype]] = [(tuple(p.shape), p.dtype) for p in params.values()]
     flat_meta += [(tuple(b.shape), b.dtype) for b in buffers.values()]
-    flat_meta += [((), torch.float32) for _ in shared]
+    flat_meta += [((), torch.float32) for _ in [*shared, *hypers]]
     for n in updated:
         p = params[n]
         flat_meta += [(shapes[n][s], p.dtype) for s in states[n]]
@@ -147,7 +149,7 @@ def capture(
     names = list(params)
     bnames = list(buffers)
     n_p, n_b = len(names), len(bnames)
-    n_s = len(shared) + sum(len(s) for s in states.values())
+    n_s = len(shared) + len(hypers) + sum(len(s) for s in states.values())
     tracker = ModuleTracker(model)
     input_args: list[int | str | None] = [None] * len(inputs)  # where each input enters model.forward
 
@@ -156,6 +158,7 @@ def capture(
         b_vals = dict(zip(bnames, flat[n_p : n_p + n_b]))
         s_iter = iter(flat[n_p + n_b : n_p + n_b + n_s])
         shared_vals = {s: next(s_iter) for s in shared}
+        hyper_vals = {h: next(s_iter) for h in hypers}
         s_vals = {n: {s: next(s_iter) for s in states[n]} for n in updated}
         xs = flat[n_p + n_b + n_s :]
         if mode == "inference":
@@ -194,7 +197,7 @@ def capture(
         new_shared = spec.advance(shared_vals) if updated else {}
         new_params, new_states, cache = [], [new_shared[s] for s in shared], {}
         for n in updated:
-            new_p, new_s = spec.update(n, p_vals[n], grads[n], s_vals[n], new_shared, cache)
+            new_p, new_s = spec.update(n, p_vals[n], grads[n], s_vals[n], new_shared, cache, hyper_vals)
             new_params.append(new_p)
             new_states += [new_s[s] for s in states[n]]
         return [loss, *(grads[n] for n in trainable), *new_params, *new_states]
@@ -258,12 +261,13 @@ def capture(
         for s in shared:
             out_roles.append((Role.OUTPUT, f"updated.opt.{s}", k))
             k += 1
+        k += len(hypers)
         for n in updated:
             for s in states[n]:
                 out_roles.append((Role.OUTPUT, f"updated.opt.{s}[{n}]", k))
                 k += 1
     in_roles = [(Role.PARAMETER, n) for n in names] + [(Role.BUFFER, n) for n in bnames]
-    in_roles += [(Role.OPT_STATE, f"opt.{s}") for s in shared]
+    in_roles += [(Role.OPT_STATE, f"opt.{s}") for s in [*shared, *hypers]]
     in_roles += [(Role.OPT_STATE, f"opt.{s}[{n}]") for n in updated for s in states[n]]
     in_roles += [(Role.INPUT, f"inputs[{i}]") for i in range(len(inputs))]
     program = to_program(gm, in_roles, out_roles, mode, opaque_mods.flops())
@@ -273,6 +277,9 @@ def capture(
     k = n_p + n_b
     program.shared_states = {s: k + i for i, s in enumerate(shared)}
     k += len(shared)
+    program.hypers = {h: k + i for i, h in enumerate(hypers)}
+    program.hyper_values = dict(hypers)
+    k += len(hypers)
     for n in updated:
         program.opt_states[n] = dict(program.shared_states)
         for s in states[n]:

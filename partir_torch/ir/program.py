@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +134,8 @@ class Program:
     mode: str
     optimizer: str | None
     shared_states: dict[str, int] = field(default_factory=dict)
+    hypers: dict[str, int] = field(default_factory=dict)  # hyperparameter inputs (each group's `lr[g]`) -> value id
+    hyper_values: dict[str, float] = field(default_factory=dict)  # their values when captured
     constants: dict[str, int] = field(default_factory=dict)  # tensor constants of the graph, by attribute
     input_args: list[int | str | None] = field(default_factory=list)  # forward arg of each input (None: not one)
     n_graph_outputs: int = 0  # outputs beyond these are functionalized buffer mutations
@@ -241,11 +243,13 @@ class Program:
         buffers: dict[str, torch.Tensor],
         inputs: Sequence[torch.Tensor],
         opt_states: dict[str, dict[str, torch.Tensor]] | None = None,
+        hypers: Mapping[str, float] | None = None,
     ) -> dict[int, torch.Tensor]:
         """Execute the captured graph on real tensors; returns {output value id: tensor}.
 
         This is the unsharded reference every later oracle compares against. Buffers the model mutates
-        (BatchNorm statistics) are cloned first, so the caller's tensors are never written.
+        (BatchNorm statistics) are cloned first, so the caller's tensors are never written. `hypers` (each
+        group's `lr[g]`) default to their values when captured.
         """
         buffers = {k: v.clone() for k, v in buffers.items()}
         flat: list[torch.Tensor] = []
@@ -258,6 +262,8 @@ class Program:
                 flat.append(buffers[key])
             elif kind == "state":
                 flat.append((opt_states or {})[key][sub])
+            elif kind == "hyper":
+                flat.append(torch.tensor({**self.hyper_values, **(hypers or {})}[key], dtype=torch.float32))
             else:
                 flat.append(inputs[key])
         assert len(flat) == len(placeholders)
@@ -267,7 +273,7 @@ class Program:
         return dict(zip(self.outputs, outs))
 
     def _placeholder_ids(self) -> list[int]:
-        ids = [*self.params.values(), *self.buffers.values(), *self.shared_states.values()]
+        ids = [*self.params.values(), *self.buffers.values(), *self.shared_states.values(), *self.hypers.values()]
         ids += [vid for st in self.opt_states.values() for s, vid in st.items() if s not in self.shared_states]
         return [*ids, *self.inputs]
 
@@ -276,6 +282,7 @@ class Program:
         srcs += [("buffer", n, None) for n in self.buffers]
         first = next(iter(self.opt_states), None)
         srcs += [("state", first, s) for s in self.shared_states]
+        srcs += [("hyper", h, None) for h in self.hypers]
         srcs += [("state", p, s) for p, st in self.opt_states.items() for s in st if s not in self.shared_states]
         srcs += [("input", i, None) for i in range(len(self.inputs))]
         return srcs

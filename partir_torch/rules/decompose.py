@@ -101,6 +101,7 @@ def _retrace(program: Program, table) -> Program:
     by_name = {v.name: v.id for v in new.values}
     new.params, new.buffers, new.inputs = dict(program.params), dict(program.buffers), list(program.inputs)
     new.shared_states = dict(program.shared_states)
+    new.hypers, new.hyper_values = dict(program.hypers), dict(program.hyper_values)
     new.opt_states = {p: dict(s) for p, s in program.opt_states.items()}
     new.grads = {p: by_name[program.values[g].name] for p, g in program.grads.items()}
     new.loss = by_name["loss"] if program.loss is not None else None

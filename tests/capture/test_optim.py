@@ -48,6 +48,8 @@ def _make(case, model):
 
 @pytest.mark.parametrize("case", [*CASES, "adamw-two-groups"])
 def test_captured_step_matches_torch_optim(tiny, case):
+    """Also after the learning rates changed, as an LR scheduler changes them (per group): the lr is an input
+    of the captured step, the program is not captured again."""
     model, inputs, loss_fn = tiny
     opt = _make(case, model)
     for _ in range(WARMUP.get(case, 2)):  # steady state: every state tensor exists and the step count is past 1
@@ -58,11 +60,15 @@ def test_captured_step_matches_torch_optim(tiny, case):
 
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     states = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
-    out = program.run(params, {}, inputs, states)
+    scale = {f"lr[{g}]": 0.3 * (g + 1) for g in range(len(opt.param_groups))}
+    assert program.hyper_values == {h: opt.param_groups[g]["lr"] for g, h in enumerate(scale)}
+    out = program.run(params, {}, inputs, states, {h: program.hyper_values[h] * s for h, s in scale.items()})
 
     ref = copy.deepcopy(model)
     ref_opt = _make(case, ref)
     ref_opt.load_state_dict(opt.state_dict())
+    for group, s in zip(ref_opt.param_groups, scale.values()):
+        group["lr"] *= s
     loss = loss_fn(ref, *inputs)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in ref.named_parameters()}

@@ -94,7 +94,7 @@ def test_memory_accounts_sharding():
     dp = evaluate(apply_schedule(p, Mesh.parse("batch=4"), "batch:BatchParallel"), hw)
     fsdp = evaluate(apply_schedule(p, Mesh.parse("batch=4"), "batch:FSDP"), hw)
     assert dp.param_bytes_per_device == p.param_bytes()
-    assert dp.opt_state_bytes_per_device == 2 * p.param_bytes() + 4  # exp_avg, exp_avg_sq and the step
+    assert dp.opt_state_bytes_per_device == 2 * p.param_bytes() + 8  # exp_avg, exp_avg_sq, the step and the lr
     assert fsdp.param_bytes_per_device < 0.3 * p.param_bytes()  # most tensors split 4 ways
     assert fsdp.peak_memory_bytes < dp.peak_memory_bytes
     assert dp.peak_memory_bytes >= dp.param_bytes_per_device + dp.opt_state_bytes_per_device

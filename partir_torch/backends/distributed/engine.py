@@ -239,7 +239,12 @@ def _shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rec: Sh
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params" and isinstance(v, (int, float, tuple, bool))}
+    """A group's hyperparameters the rank program holds as constants: all but the lr (an input of the step)
+    and what LR schedulers keep beside it."""
+    return {k: v for k, v in group.items() if k not in _NOT_CONSTANT and isinstance(v, (int, float, tuple, bool))}
+
+
+_NOT_CONSTANT = {"params", "lr", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -261,6 +266,9 @@ def rank_inputs(rec: Sharded, model: nn.Module, optimizer: torch.optim.Optimizer
             out.append(_local(rec.tensors[key]))
         elif kind == "state":
             out.append(_local(by_name[key][sub]))
+        elif kind == "hyper":  # `lr[g]`: the group's lr now (an LR scheduler's last write)
+            group = optimizer.param_groups[int(key.removeprefix("lr[").removesuffix("]"))]
+            out.append(torch.tensor(float(group["lr"]), dtype=torch.float32, device=rm.device))
         elif probe:
             val = prog.values[vid]
             out.append(torch.zeros(state.shard[vid].local_shape(val.shape, rm.mesh), dtype=val.dtype,
@@ -297,8 +305,9 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
                for now in [_hyper(g)] for k in was if now.get(k) != was[k]]
     if changed:
         raise DistributedError("the optimizer's hyperparameters changed since the step was captured "
-                               f"({'; '.join(changed[:4])}): the rank program runs them as captured (an LR "
-                               "scheduler is not supported on the torch backend yet); keep them fixed, or shard again")
+                               f"({'; '.join(changed[:4])}): the rank program holds every one but the learning rate "
+                               "as a constant; keep them fixed (OneCycleLR / CyclicLR: cycle_momentum=False), or "
+                               "shard again")
     check_batch(prog, rec.state, rec.rank_mesh, batch, local)
     flat = rank_inputs(rec, model, optimizer, batch, local=local)
     with torch.no_grad():
@@ -314,6 +323,7 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
                 if s in st and st[s] is not where[v]:
                     st[s].copy_(where[v])
     rec.steps += 1
+    optimizer._opt_called = True  # as torch.optim's step marks it for LR schedulers (their call-order check)
     return loss.detach() if loss is not None else None
 
 

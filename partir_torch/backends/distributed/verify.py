@@ -108,4 +108,4 @@ def _run_unsharded(prog, whole: dict[int, torch.Tensor]) -> dict[int, torch.Tens
     buffers = {n: whole[v] for n, v in prog.buffers.items()}
     states = {p: {s: whole[v] for s, v in st.items()} for p, st in prog.opt_states.items()}
     inputs = [whole[v] for v in prog.inputs]
-    return prog.run(params, buffers, inputs, states)
+    return prog.run(params, buffers, inputs, states, {h: float(whole[v]) for h, v in prog.hypers.items()})
