@@ -37,7 +37,9 @@ class LitGPT(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))  # per step
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
 def main() -> None:

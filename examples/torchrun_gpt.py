@@ -6,7 +6,8 @@
 
 Every rank builds the same model from the same seed and passes the global batch. Rank 0 searches the plan
 and every rank checks it holds the same one; parameters and optimizer states are DTensors, saved and loaded
-with torch.distributed.checkpoint (DCP) as FSDP2 users do.
+with torch.distributed.checkpoint (DCP) as FSDP2 users do. The learning rate warms up under an LR scheduler
+built on the optimizer `auto_shard` returns.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = partir_torch.auto_shard(model, (tokens, targets), args.mesh, loss_fn=loss_fn, optimizer=opt,
                                          memory=args.memory, budget=60, backend="torch")
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
     rank = dist.get_rank()
     if rank == 0:
         print(model.partir_plan.table())
     for i in range(args.steps):
         loss = partir_torch.step(model, opt, tokens, targets)
+        warmup.step()
         if rank == 0:
-            print(f"step {i}: loss {loss.item():.4f}")
+            print(f"step {i}: loss {loss.item():.4f} (lr {opt.param_groups[0]['lr']:.2e} next)")
 
     path = args.checkpoint or _shared_tempdir()
     dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)

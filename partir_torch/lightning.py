@@ -20,6 +20,7 @@ module are silenced (they would log fake tensors).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -91,6 +92,23 @@ def _repoint(strategy, template: torch.optim.Optimizer, opt: torch.optim.Optimiz
     for config in strategy.lr_scheduler_configs:
         if getattr(config.scheduler, "optimizer", None) is template:
             config.scheduler.optimizer = opt
+            _track_steps(opt)
+
+
+def _track_steps(opt: torch.optim.Optimizer) -> None:
+    """What an LR scheduler's constructor does to its optimizer (torch's call-order check reads it): its step
+    marks `_opt_called` (`partir_torch.step` marks it on the torch backend, where this step is refused)."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    ref, step = weakref.ref(opt), type(opt).step
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        me = ref()
+        me._opt_called = True
+        return step(me, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    opt.step = wrapper
 
 
 class _Silenced:
