@@ -157,7 +157,7 @@ def simulate(
             if s not in program.shared_states:
                 flat[vid] = (opt_states or {})[p][s]
     for h, vid in program.hypers.items():
-        flat[vid] = torch.tensor(program.hyper_values[h], dtype=torch.float32)
+        flat[vid] = torch.tensor(program.hyper_values[h], dtype=program.values[vid].dtype)
     for i, vid in enumerate(program.inputs):
         flat[vid] = inputs[i]
     for attr, vid in program.constants.items():

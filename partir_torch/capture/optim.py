@@ -124,7 +124,7 @@ class OptimizerSpec:
         `hypers` the step's hyperparameter inputs (`hypers`' names)."""
         hp = dict(self.hparams[param_name])
         lr = hypers[f"lr[{hp['group']}]"]
-        hp["lr"] = lr.to(torch.float64) if p.dtype == torch.float64 else lr
+        hp["lr"] = lr if lr.dtype == p.dtype else lr.to(p.dtype)
         if self.kind == "sgd":
             return _sgd(p, g, state, **hp)
         step = shared["step"].to(torch.float64) if p.dtype == torch.float64 else shared["step"]

@@ -137,7 +137,10 @@ def capture(
     # inputs (this order is Program.run's too).
     flat_meta: list[tuple[tuple[int, ...], torch.dtype]] = [(tuple(p.shape), p.dtype) for p in params.values()]
     flat_meta += [(tuple(b.shape), b.dtype) for b in buffers.values()]
-    flat_meta += [((), torch.float32) for _ in [*shared, *hypers]]
+    flat_meta += [((), torch.float32) for _ in shared]
+    # a float64 step (the simulator's oracle) gets its lr in float64: torch.optim's Python float, exactly
+    lr_dtype = torch.float64 if any(params[n].dtype == torch.float64 for n in updated) else torch.float32
+    flat_meta += [((), lr_dtype) for _ in hypers]
     for n in updated:
         p = params[n]
         flat_meta += [(shapes[n][s], p.dtype) for s in states[n]]

@@ -255,7 +255,7 @@ class Program:
         flat: list[torch.Tensor] = []
         placeholders = self.graph_module.graph.find_nodes(op="placeholder")
         sources = self._placeholder_sources()
-        for (kind, key, sub) in sources:
+        for (kind, key, sub), vid in zip(sources, self._placeholder_ids()):
             if kind == "param":
                 flat.append(params[key])
             elif kind == "buffer":
@@ -263,7 +263,7 @@ class Program:
             elif kind == "state":
                 flat.append((opt_states or {})[key][sub])
             elif kind == "hyper":
-                flat.append(torch.tensor({**self.hyper_values, **(hypers or {})}[key], dtype=torch.float32))
+                flat.append(torch.tensor({**self.hyper_values, **(hypers or {})}[key], dtype=self.values[vid].dtype))
             else:
                 flat.append(inputs[key])
         assert len(flat) == len(placeholders)

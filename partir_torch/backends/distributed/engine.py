@@ -268,7 +268,7 @@ def rank_inputs(rec: Sharded, model: nn.Module, optimizer: torch.optim.Optimizer
             out.append(_local(by_name[key][sub]))
         elif kind == "hyper":  # `lr[g]`: the group's lr now (an LR scheduler's last write)
             group = optimizer.param_groups[int(key.removeprefix("lr[").removesuffix("]"))]
-            out.append(torch.tensor(float(group["lr"]), dtype=torch.float32, device=rm.device))
+            out.append(torch.tensor(float(group["lr"]), dtype=prog.values[vid].dtype, device=rm.device))
         elif probe:
             val = prog.values[vid]
             out.append(torch.zeros(state.shard[vid].local_shape(val.shape, rm.mesh), dtype=val.dtype,
