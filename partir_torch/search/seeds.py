@@ -10,9 +10,11 @@ the answer is at most the refinement's simplicity margin above the best composit
 has let them be replayed), and usually better (docs/scale.md).
 
 Roles per axis: `dp` (tile every input's batch dim), `fsdp` (dp, then ZeRO-3 of every parameter), `zero1`
-(dp, then ZeRO-1), `megatron` (column/row pairs of linears); at most one axis is `megatron`, and an axis over
-DCN takes only `dp` or `zero1` (what the hierarchical plans engineers write put there: the gradients'
-reduction, no per-layer gather or activation all-reduce; the search may still move away from it) unless
+(dp, then ZeRO-1), `megatron` (column/row pairs of linears), `none` (the axis left unused: at most one, beside
+another role; pure tensor parallelism on a small model, where the gradients' reduction costs more than the
+batch split saves, and the climb cannot drop a batch split tile by tile); at most one axis is `megatron`,
+and an axis over DCN takes only `dp` or `zero1` (what the hierarchical plans engineers write put there: the
+gradients' reduction, no per-layer gather or activation all-reduce; the search may still move away from it) unless
 `over_dcn` (`Auto` asks for those when none of the others fits in memory: FSDP across nodes, as an engineer
 does when nothing else fits, Llama-3-8B on 8 H100 nodes). Actions are returned in the plan's canonical
 order (`space.rank`), so a Megatron tile is the major axis of a dim that a ZeRO move also tiles.
@@ -27,7 +29,7 @@ from partir_torch.propagate import ShardingState
 from partir_torch.search.space import Action, rank, state_slots
 from partir_torch.tactics import FSDP, ZeRO, batch_tiles, group_of, megatron_tiles
 
-ROLES = ("dp", "fsdp", "zero1", "megatron")
+ROLES = ("dp", "fsdp", "zero1", "megatron", "none")
 
 
 def _megatron(state: ShardingState, axis: str) -> list[Action]:
@@ -36,7 +38,13 @@ def _megatron(state: ShardingState, axis: str) -> list[Action]:
     p = state.program
     targets = {s.target for s in state_slots(state) if s.kind == "param"}
     tiles = [Tile(group_of(p, p.values[w].name), d, axis) for w, d in megatron_tiles(state, axis)]
-    return [t for t in tiles if t.target in targets]
+    dims: dict[str, set[int]] = {}
+    for t in tiles:
+        dims.setdefault(t.target, set()).add(t.dim)
+    # a group whose members the pairs split on different dims (a Sequential's chained linears, grouped as
+    # repeats: column, then row) has no one tile: it stays whole (the search may still tile it)
+    out = [t for t in tiles if t.target in targets and len(dims[t.target]) == 1]
+    return list(dict.fromkeys(out))
 
 
 def composites(state: ShardingState, axes: tuple[str, ...], dcn_axes: frozenset[str] = frozenset(), *,
@@ -53,10 +61,13 @@ def composites(state: ShardingState, axes: tuple[str, ...], dcn_axes: frozenset[
         per_role[a, "fsdp"] = FSDP(a).actions(state) if dp and p.opt_states else None
         per_role[a, "zero1"] = [*dp, *ZeRO(a, 1).actions(state)] if dp and p.opt_states else None
         per_role[a, "megatron"] = mega or None
+        per_role[a, "none"] = []
     out = []
     for roles in itertools.product(ROLES, repeat=len(axes)):
         heavy = any(a in dcn_axes and r in ("fsdp", "megatron") for a, r in zip(axes, roles))
         if roles.count("megatron") > 1 or heavy != over_dcn:  # over_dcn: only the ones the default leaves out
+            continue
+        if roles.count("none") > (len(axes) > 1):
             continue
         parts = [per_role[a, r] for a, r in zip(axes, roles)]
         if any(x is None for x in parts):

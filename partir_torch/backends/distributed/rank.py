@@ -44,6 +44,11 @@ SHAPE_ONLY = frozenset({"aten.rand_like.default", "aten.randn_like.default", "at
                         "aten.exponential.default"})
 
 
+# ops whose kernels need contiguous operands, which a reshard (a slice or a gather along an inner dim) may not give
+_CONTIGUOUS = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.native_group_norm.default",
+                         "aten.native_group_norm_backward.default"})
+
+
 class LocalizeError(PartirError):
     """An op of the step cannot run on local shards under the plan."""
 
@@ -156,7 +161,7 @@ class RankProgram:
                     for i, t in enumerate(rule.operands)]
         if not rule.operands and (meta := tensor_args(op)):  # read for dtype and device only
             operands = [env[v] for v in meta]
-        contiguous = op.target in ("aten.view.default", "aten._unsafe_view.default")
+        contiguous = op.target in _CONTIGUOUS
         it = iter(x.contiguous() if contiguous else x for x in operands)
         args, kwargs = local_args(op, _subst(op.args, it), {k: _subst(a, it) for k, a in op.kwargs}, state)
         out = run_local(op, args, kwargs, state, self.exchange.coord)
