@@ -27,7 +27,7 @@ def llama():
 
 def _schedule(name: str) -> str:
     """`data:dp,model:megatron` as the tactics' schedule, Megatron first (the canonical order's)."""
-    parts = [p.split(":") for p in name.split(",")]
+    parts = [p.split(":") for p in name.split(",") if not p.endswith(":none")]  # (an axis left unused)
     parts.sort(key=lambda p: p[1] != "megatron")
     return ";".join(f"{a}:" + _TACTIC[r].format(a=a) for a, r in parts)
 
@@ -40,7 +40,8 @@ def test_each_composite_is_the_plan_its_tactics_make(llama):
     names = [n for n, _ in got]
     assert "data:dp,fsdp:fsdp,model:megatron" in names and "data:zero1,fsdp:megatron,model:fsdp" in names
     assert not any(f"data:{r}" in n for n in names for r in ("fsdp", "megatron"))  # the DCN axis: dp, zero1
-    assert all(n.count("megatron") <= 1 for n in names)
+    assert all(n.count("megatron") <= 1 and n.count(":none") <= 1 for n in names)
+    assert "data:none,fsdp:fsdp,model:megatron" in names
     hw = hardware("tpu-v5p")
     for name, acts in got:
         plan = replay(root, acts)
@@ -48,6 +49,20 @@ def test_each_composite_is_the_plan_its_tactics_make(llama):
         expert = apply_schedule(llama, mesh, _schedule(name))
         assert plan.shard == expert.shard, name
         assert evaluate(plan, hw, dcn_axes=dcn).step_time_s == evaluate(expert, hw, dcn_axes=dcn).step_time_s
+
+
+def test_chained_linears_grouped_as_repeats_still_give_a_megatron_composite():
+    """GNS's MLPs are Sequentials of same-shaped linears, grouped as repeats although the pairs split them on
+    two dims (column, then row): such a group stays whole, and the rest of Megatron replays (with the other
+    axis data parallel, or unused)."""
+    model, inputs, loss_fn = models.build("tiny-gns")
+    program = capture(model, inputs, loss_fn, "adamw", fold=True)
+    root = apply_schedule(program, parse_mesh("batch=2,model=4")[0], [])
+    got = dict(composites(root, ("batch", "model")))
+    for name in ("batch:dp,model:megatron", "batch:zero1,model:megatron", "batch:none,model:megatron"):
+        plan = replay(root, got[name])
+        assert plan is not None, name
+        assert sum(bool(sh.axes) for sh in plan.shard) > 0
 
 
 def test_a_short_search_is_never_worse_than_the_best_composite(llama):
