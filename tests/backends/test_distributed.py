@@ -68,8 +68,10 @@ def train_case(rank, world, name, mesh, schedule, compile=False, fp64=True, memo
     opt = CLASSES[optimizer](model.parameters(), lr=1e-2)
     ref_opt = CLASSES[optimizer](ref.parameters(), lr=1e-2)
     limit = None if memory is None else memory * replicated_peak(model, inputs, loss_fn, mesh)
-    model, opt = partir_torch.auto_shard(model, inputs, mesh, loss_fn=loss_fn, optimizer=opt, schedule=schedule,
-                                         memory=limit, budget=30, backend="torch", compile=compile, cache=False)
+    plan = _decided(model, inputs, loss_fn, opt, mesh, schedule) if isinstance(schedule, list) else None
+    model, opt = partir_torch.auto_shard(model, inputs, mesh, loss_fn=loss_fn, optimizer=opt,
+                                         schedule=None if plan else schedule, plan=plan, memory=limit, budget=30,
+                                         backend="torch", compile=compile, cache=False)
     rec = engine.sharded(model)
     run = measure.run_once(rec, model, opt, inputs)
     cmp = measure.compare(rec, run)
@@ -92,6 +94,18 @@ def train_case(rank, world, name, mesh, schedule, compile=False, fp64=True, memo
     sharded = sum(any(s is not None for s in spec) for spec in rec.plan.params.values())
     return {"losses": losses, "ref": ref_losses, "rel": rel, "rows": cmp["by_axis"], "unexpected": cmp["unexpected"],
             "mem": (cmp["measured_peak"], cmp["predicted_peak"]), "sharded": sharded, "axes": _axes_used(rec)}
+
+
+def _decided(model, inputs, loss_fn, opt, mesh, decisions: list[str]):
+    """The plan of these decisions (action strings, as a search log or a plan file holds them)."""
+    from partir_torch.capture import capture
+    from partir_torch.cost import evaluate, hardware
+    from partir_torch.ir import Mesh, parse_action
+    from partir_torch.plan import ShardingPlan
+    from partir_torch.tactics.schedule import replay
+
+    state = replay(capture(model, inputs, loss_fn, opt), Mesh.parse(mesh), [parse_action(a) for a in decisions])
+    return ShardingPlan.from_state(state, evaluate(state, hardware("cpu-virtual")))
 
 
 def _axes_used(rec) -> list[str]:
@@ -127,6 +141,17 @@ def test_megatron_over_more_devices_than_heads_runs_as_predicted_and_trains_as_u
     no tiling of the heads is: the attention's views are resharded from the layout each holds, not re-viewed
     from their root's (`lower.pull_back`), and gathers of uneven blocks pad them."""
     check(four.run(train_case, "tiny-gpt2:heads=2", "model=4", "model:Megatron"))
+
+
+def test_a_u_net_plan_whose_reshards_leave_group_norm_a_strided_operand(four):
+    """A searched plan of the bench (`benchmarks/results/engine.json`, tiny-unet on {batch:2, model:4}; here on
+    {batch:2, model:2}): a reshard gives GroupNorm a non-contiguous local tensor, which its kernel refuses."""
+    decisions = ["tile(up.1.blocks.1.skip.weight, 1, model)", "tile(down.1.blocks.0.conv1.weight, 0, batch)",
+                 "tile(time_embed.2.weight, 0, batch)", "tile(down.0.blocks.0.conv1.weight, 0, batch)",
+                 "tile(down.1.blocks.0.skip.weight, 0, batch)", "tile(up.0.blocks.0.conv2.weight, 1, batch)",
+                 "tile(up.0.blocks.1.conv1.weight, 0, batch)", "tile(up.0.blocks.1.skip.weight, 1, batch)",
+                 "tile(inputs[2], 0, batch)"]
+    check(four.run(train_case, "tiny-unet", "batch=2,model=2", decisions))
 
 
 @pytest.mark.thirdparty
