@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,12 +31,14 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine.json"))
     args = ap.parse_args()
     out, t0 = Path(args.out), time.perf_counter()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
 
     def save(rows: list[dict]) -> None:
         for v in rows[-1]["verdicts"]:
             print(f"  {v['engine']} {v['hardware']}: found / best expert "
                   f"{v.get('ratio', float('nan')):.3f} ({v.get('best')}) {v.get('why', '')}", flush=True)
-        out.write_text(json.dumps({"episodes": args.episodes, "rows": rows}, indent=1, default=str))
+        out.write_text(json.dumps({"episodes": args.episodes, "commit": commit.strip() or None, "rows": rows}, indent=1,
+                                  default=str))
 
     engines.run(args.models, args.meshes, args.episodes, tuple(args.engines), on_row=save)
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")

@@ -104,8 +104,9 @@ def _cell(v: dict[str, Any]) -> str:
     return f"{v['ratio']:.3f} ({v['best']}){mark}"
 
 
-def engine_lines(rows: list[dict[str, Any]], episodes: int, out: Path) -> list[str]:
-    """The engine part of docs/benchmarks.md (and one chart per mesh under `out`)."""
+def engine_lines(rows: list[dict[str, Any]], episodes: int, out: Path, commit: str | None = None) -> list[str]:
+    """The engine part of docs/benchmarks.md (and one chart per mesh under `out`); `commit`: the code the rows
+    were measured with (its search found their plans)."""
     engines = sorted({e for r in rows for e in r["engines"]}, key=["torch", "torch_xla"].index)
     heads = [f"{e} {hw}" for e in engines for hw in HARDWARE]
     lines = ["", "## The zoo on the engines", "",
@@ -118,7 +119,9 @@ def engine_lines(rows: list[dict[str, Any]], episodes: int, out: Path) -> list[s
              "moved* (the cost model's compute plus each collective run, priced at the hardware's bandwidth and "
              "latency on its axes); the expert named is the best. An expert fits when its predicted and its "
              "measured peak are both within the limit. `*`: slower, `†`: the found plan over the limit as "
-             "measured, with the reasons below.", "",
+             "measured, with the reasons below."
+             + (f" Measured with the code of commit `{commit}` (the found plans are its search's)." if commit else ""),
+             "",
              f"| model | mesh | distinct plans | found ({HARDWARE[0]}) | {' | '.join(heads)} "
              "| torch_xla auto-sharding |",
              "|---|---|---|---|" + "---|" * len(heads) + "---|"]
@@ -190,7 +193,8 @@ def engine_lines(rows: list[dict[str, Any]], episodes: int, out: Path) -> list[s
 
 
 def write(rows: dict[str, dict[str, Any]], out: Path, episodes: int,
-          engine_rows: list[dict[str, Any]] | None = None, engine_episodes: int | None = None) -> Path:
+          engine_rows: list[dict[str, Any]] | None = None, engine_episodes: int | None = None,
+          engine_commit: str | None = None) -> Path:
     """`out/benchmarks.md` and its charts."""
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# Benchmarks: the search against the experts", "",
@@ -224,7 +228,7 @@ def write(rows: dict[str, dict[str, Any]], out: Path, episodes: int,
                 f"{got[b]['ratio']:.3f} ({got[b]['search_s']:.1f} s){'' if got[b]['feasible'] else ' no fit'}"
                 if b in got else "—" for b in budgets) + " |")
     if engine_rows:
-        lines += engine_lines(engine_rows, engine_episodes or episodes, out)
+        lines += engine_lines(engine_rows, engine_episodes or episodes, out, engine_commit)
     for name, row in rows.items():
         png = chart(name, row, out / f"bench-{name}.png")
         lines += ["", f"## {name}", "", f"![{name}]({png.name})", "",

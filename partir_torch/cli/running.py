@@ -119,13 +119,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
               f"{row['found']['search_s']:.1f} s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    engine_rows, engine_episodes = None, args.episodes
+    engine_rows, engine_episodes, engine_commit = None, args.episodes, None
     if args.engines_from:
         got = json.loads(Path(args.engines_from).read_text())
-        engine_rows, engine_episodes = got["rows"], got["episodes"]
+        engine_rows, engine_episodes, engine_commit = got["rows"], got["episodes"], got.get("commit")
     elif not (args.no_engines or args.only):
         models, meshes = ((engines.QUICK_MODELS, engines.QUICK_MESHES) if args.quick
                           else (engines.MODELS, engines.MESHES))
         engine_rows = engines.run(models, meshes, args.episodes)
-    print(report.write(rows, Path(args.out), args.episodes, engine_rows, engine_episodes))
+    print(report.write(rows, Path(args.out), args.episodes, engine_rows, engine_episodes, engine_commit))
     return 0
