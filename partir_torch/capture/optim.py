@@ -13,7 +13,8 @@ shared scalar state (`opt.step`; NAdam's momentum product too, `opt.mu_product`)
 are computed once per param group, which keeps the optimizer phase at ~8 ops per parameter instead of ~20
 (same values, fewer scalar ops).
 
-Each param group's learning rate is an input of the step (`opt.lr[g]`, a 0-dim float32), not a constant:
+Each param group's learning rate is an input of the step (`opt.lr[g]`, a 0-dim float32; float64 in a step
+that updates a float64 parameter, torch.optim's Python float exactly), not a constant:
 an LR scheduler changes it between steps and the same program runs (torch's tensor-lr forms: `addcmul` by
 the lr where torch.optim would `add(alpha=-lr)`). The other hyperparameters are constants of the program.
 """
@@ -123,8 +124,7 @@ class OptimizerSpec:
         """One out-of-place update: (new param, new per-parameter state). `shared` holds the advanced states,
         `hypers` the step's hyperparameter inputs (`hypers`' names)."""
         hp = dict(self.hparams[param_name])
-        lr = hypers[f"lr[{hp['group']}]"]
-        hp["lr"] = lr if lr.dtype == p.dtype else lr.to(p.dtype)
+        hp["lr"] = hypers[f"lr[{hp['group']}]"]  # (float64 where any parameter is: never cast down)
         if self.kind == "sgd":
             return _sgd(p, g, state, **hp)
         step = shared["step"].to(torch.float64) if p.dtype == torch.float64 else shared["step"]
