@@ -7,6 +7,7 @@ Ranks are started once per module (`Workers`) and reused by every test."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -190,7 +191,8 @@ def test_compiled_rank_program_trains_as_unsharded(two):
 
 def state_dict_case(rank, world, directory):
     """DTensor state dicts as FSDP2 users read them, and a DCP checkpoint saved, then loaded into a model
-    sharded again from the same plan: the same parameters and optimizer states, and the same next loss."""
+    sharded again from the same plan: the same parameters and optimizer states, and the same next loss (and
+    a warning for the LR scheduler left on the optimizer passed in)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -205,8 +207,12 @@ def state_dict_case(rank, world, directory):
     model, inputs, loss_fn = build("tiny-gpt2", False)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = partir_torch.auto_shard(model, inputs, "batch=2,model=2", loss_fn=loss_fn, optimizer=opt,
-                                         schedule=EXPERTS["4"], backend="torch", cache=False)
+    torch.optim.lr_scheduler.StepLR(opt, 1)  # on the optimizer passed in: it would schedule nothing that trains
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model, opt = partir_torch.auto_shard(model, inputs, "batch=2,model=2", loss_fn=loss_fn, optimizer=opt,
+                                             schedule=EXPERTS["4"], backend="torch", cache=False)
+    warned = any("an LR scheduler was built on the optimizer passed to auto_shard" in str(w.message) for w in seen)
     partir_torch.step(model, opt, *inputs)
     sd = model.state_dict()
     assert all(isinstance(t, DTensor) for t in sd.values())
@@ -226,7 +232,7 @@ def state_dict_case(rank, world, directory):
     again.load_state_dict(state["model"])
     set_optimizer_state_dict(again, opt2, state["optim"])
     same = all(torch.equal(saved[n], t.full_tensor()) for n, t in again.state_dict().items())
-    return same and strided, next_loss, float(partir_torch.step(again, opt2, *inputs))
+    return same and strided and warned, next_loss, float(partir_torch.step(again, opt2, *inputs))
 
 
 def _strided_states_are_the_plan_s(model, opt) -> bool:
