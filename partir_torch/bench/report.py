@@ -104,9 +104,20 @@ def _cell(v: dict[str, Any]) -> str:
     return f"{v['ratio']:.3f} ({v['best']}){mark}"
 
 
+def _commits(rows: list[dict[str, Any]], commit: str | None) -> str:
+    """Which code measured the rows (its search found their plans)."""
+    later: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("commit") and r["commit"] != commit:
+            later.setdefault(r["commit"], []).append(f"{r['model']} on {{{r['mesh']}}}")
+    text = f" Measured with the code of commit `{commit}` (the found plans are its search's)" if commit else ""
+    text += "".join(f"; measured again at `{c}`: {', '.join(names)}" for c, names in later.items())
+    return text + "." if text else ""
+
+
 def engine_lines(rows: list[dict[str, Any]], episodes: int, out: Path, commit: str | None = None) -> list[str]:
     """The engine part of docs/benchmarks.md (and one chart per mesh under `out`); `commit`: the code the rows
-    were measured with (its search found their plans)."""
+    were measured with (its search found their plans), unless a row names its own (measured again later)."""
     engines = sorted({e for r in rows for e in r["engines"]}, key=["torch", "torch_xla"].index)
     heads = [f"{e} {hw}" for e in engines for hw in HARDWARE]
     lines = ["", "## The zoo on the engines", "",
@@ -120,7 +131,7 @@ def engine_lines(rows: list[dict[str, Any]], episodes: int, out: Path, commit: s
              "latency on its axes); the expert named is the best. An expert fits when its predicted and its "
              "measured peak are both within the limit. `*`: slower, `†`: the found plan over the limit as "
              "measured, with the reasons below."
-             + (f" Measured with the code of commit `{commit}` (the found plans are its search's)." if commit else ""),
+             + _commits(rows, commit),
              "",
              f"| model | mesh | distinct plans | found ({HARDWARE[0]}) | {' | '.join(heads)} "
              "| torch_xla auto-sharding |",
