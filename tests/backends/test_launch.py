@@ -1,4 +1,5 @@
-"""`backends/distributed/launch.py`: the ranks `Workers` starts stop with the process that started them."""
+"""`backends/distributed/launch.py`: the ranks `Workers` starts stop with the process that started them, even
+in the middle of a job."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from partir_torch.launch import Workers
 def pid(rank, world):
     return os.getpid()
 
-if __name__ == "__main__":
-    w = Workers(2, timeout=60)
-    print("ranks", *w.run(pid), flush=True)
+def busy(rank, world):
     time.sleep(120)
+
+if __name__ == "__main__":
+    w = Workers(2, timeout=300)
+    print("ranks", *w.run(pid), flush=True)
+    w.run(busy)  # killed while the ranks are in the middle of a job
 """
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -60,8 +62,16 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str | No
     mp.spawn(_run, args=(fn, world_size, free_port(), _backend(world_size, backend), args), nprocs=world_size)
 
 
+def _outlive_not(parent: int) -> None:
+    """Stop this rank when the process that started it is gone, even in the middle of a job."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def _serve(rank: int, world: int, port: int, backend: str, jobs: Any, results: Any) -> None:
     parent = os.getppid()
+    threading.Thread(target=_outlive_not, args=(parent,), daemon=True).start()
     _join(rank, world, port, backend)
     try:
         while True:
