@@ -37,9 +37,9 @@ CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "adagrad": torch.optim.Adagrad, "adafactor": torch.optim.Adafactor, "nadam": torch.optim.NAdam,
     "radam": torch.optim.RAdam, "adamax": torch.optim.Adamax,
 }
-_IMPL_ONLY = {"foreach", "fused", "capturable", "params", "name",
-              # what LR schedulers add to a group (the lr itself is an input of the step)
-              "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"}
+# what LR schedulers add to a group beside the lr (which is an input of the step)
+SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"})
+_IMPL_ONLY = {"foreach", "fused", "capturable", "params", "name", *SCHEDULER_KEYS}
 # by name, SGD gets momentum (a plan for plain SGD has no state to shard) and the lr capture always used
 _NAME_DEFAULTS = {"sgd": {"lr": 1e-2, "momentum": 0.9}}
 
@@ -93,6 +93,11 @@ class OptimizerSpec:
         each param group they belong to, in group order."""
         groups = {self.hparams[n]["group"]: float(self.hparams[n]["lr"]) for n in params}
         return {f"lr[{g}]": groups[g] for g in sorted(groups)}
+
+    @staticmethod
+    def hyper_group(name: str) -> int:
+        """The param group a hyperparameter input (`hypers`' name, `lr[g]`) belongs to."""
+        return int(name.removeprefix("lr[").removesuffix("]"))
 
     @property
     def shared_states(self) -> tuple[str, ...]:

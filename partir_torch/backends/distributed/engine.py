@@ -31,6 +31,7 @@ from partir_torch.backends.common import initial_states, rebuild_optimizer, slot
 from partir_torch.backends.distributed.rank import RankProgram, trace
 from partir_torch.backends.distributed.reshard import Exchange
 from partir_torch.backends.distributed.runtime import DistributedError, RankMesh
+from partir_torch.capture.optim import SCHEDULER_KEYS, OptimizerSpec
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Program
 from partir_torch.ir.sharding import Sharding
@@ -244,7 +245,7 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_CONSTANT and isinstance(v, (int, float, tuple, bool))}
 
 
-_NOT_CONSTANT = {"params", "lr", "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum"}
+_NOT_CONSTANT = {"params", "lr", *SCHEDULER_KEYS}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -267,7 +268,7 @@ def rank_inputs(rec: Sharded, model: nn.Module, optimizer: torch.optim.Optimizer
         elif kind == "state":
             out.append(_local(by_name[key][sub]))
         elif kind == "hyper":  # `lr[g]`: the group's lr now (an LR scheduler's last write)
-            group = optimizer.param_groups[int(key.removeprefix("lr[").removesuffix("]"))]
+            group = optimizer.param_groups[OptimizerSpec.hyper_group(key)]
             out.append(torch.tensor(float(group["lr"]), dtype=prog.values[vid].dtype, device=rm.device))
         elif probe:
             val = prog.values[vid]
