@@ -132,6 +132,32 @@ def _segmentation() -> Workload:
     return m, (torch.randn(B, 3, 32, 32), torch.randint(0, 4, (B, 32, 32))), _seg_loss
 
 
+class _EncoderLM(nn.Module):
+    """A stock `nn.TransformerEncoder` language model: `nn.MultiheadAttention`'s packed q/k/v projection under a
+    causal mask and a key padding mask (pre-norm layers, torch's default dropout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+        layer = nn.TransformerEncoderLayer(H, 4, 2 * H, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(H, V)
+
+    def forward(self, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=self.head.weight.dtype)
+        return self.head(self.encoder(self.embed(ids), mask=causal, src_key_padding_mask=pad, is_causal=True))
+
+
+def _encoder_lm() -> Workload:
+    pad = torch.zeros(B, S, dtype=torch.bool)
+    pad[1::2, -2:] = True  # (padded keys at the end: every query still sees its first key)
+    return _EncoderLM(), (_ids(B, S), pad), _encoder_lm_loss
+
+
+def _encoder_lm_loss(model: nn.Module, ids: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(ids, pad)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
 def _whisper() -> Workload:
     import transformers
 
@@ -238,6 +264,8 @@ BUILDERS: dict[str, Callable[[], Workload]] = {
     "hf-clip": _clip,
     "hf-whisper": _whisper,
     "hf-wav2vec2": _wav2vec2,
+    # torch.nn
+    "torch-transformer-encoder": _encoder_lm,
     # torchvision
     "tv-resnet18": _tv(lambda: _tvm().resnet18(num_classes=10)),
     "tv-resnet50-family": _tv(_resnet_bottleneck),

@@ -7,6 +7,14 @@ such a draw is a known constant, its upper bound 1.0, so every comparison of the
 captured step is the whole model, the one every step runs when the probability is 0. A draw compared with
 a positive probability is reported (`skipping`): the engine then skips layers on some steps, which run a
 program the plan did not cost and compile one of their own.
+
+Random tensors are drawn in memory order. Eager dropout fills `empty_like(x)`, which keeps `x`'s layout
+(`nn.TransformerEncoderLayer`'s dropout after attention reads a transposed [B, L, E]); functionalized, the
+fill becomes `bernoulli.p`, whose result is row-major, and a rank or the simulator draws a whole tensor on
+a fresh row-major one. `in_memory_order` makes the eager order explicit in the graph: such a draw is made
+on its operand permuted to memory order and permuted back, so every engine draws the eager step's numbers.
+Functionalization turns dropout's `empty_like(x)` into an expanded scalar, so no graph pass can see `x`'s
+layout: `dropout` does the same before the trace (`capture/rewrites.py` calls it for `F.dropout`).
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ import traceback
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch._prims_common import is_non_overlapping_and_dense
 from torch.overrides import TorchFunctionMode
 
 from partir_torch.capture.explain import user_frame
@@ -66,3 +76,59 @@ def _caller() -> str:
     """The user's line that drew (`explain.user_frame`)."""
     frame = user_frame(traceback.extract_stack())
     return f"{frame.filename}:{frame.lineno}" if frame is not None else "?"
+
+
+aten = torch.ops.aten
+# draws that fill a tensor laid out like their operand: `rand_like` & co. (preserve_format), and `bernoulli.p`
+# on an `empty_like` (dropout's in-place fill, functionalized)
+_LIKE = frozenset({aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+                   aten.randint_like.low_dtype, aten.bernoulli.p})
+
+
+def _memory_order(t: Any) -> list[int] | None:
+    """The dims of `t` from outermost to innermost in memory, where that is not row-major (else None)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2 or not is_non_overlapping_and_dense(t):
+        return None
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    return None if order == list(range(t.dim())) else order
+
+
+def dropout(input, p=0.5, training=True, inplace=False):  # (F.dropout's names)
+    """`F.dropout` drawn in `input`'s memory order as eager draws it, on a row-major view of it (module
+    docstring)."""
+    order = _memory_order(input) if training and p and not inplace else None
+    if order is None:
+        return F.dropout(input, p, training, inplace)
+    return F.dropout(input.permute(order), p, training).permute(sorted(range(len(order)), key=order.__getitem__))
+
+
+def in_memory_order(gm: torch.fx.GraphModule) -> int:
+    """Rewrite each draw whose eager result follows a non-row-major operand's layout into permute, draw,
+    permute back (module docstring); how many were rewritten."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _LIKE or not node.args:
+            continue
+        x = node.args[0]
+        if node.target is aten.bernoulli.p and not (isinstance(x, torch.fx.Node) and
+                                                    x.target is aten.empty_like.default):
+            continue  # (`torch.bernoulli(x, p)` itself: row-major in eager too)
+        if node.kwargs.get("memory_format") not in (None, torch.preserve_format):
+            continue
+        order = _memory_order(x.meta.get("val")) if isinstance(x, torch.fx.Node) else None
+        if order is None:
+            continue
+        back = sorted(range(len(order)), key=order.__getitem__)
+        val = node.meta["val"]
+        with gm.graph.inserting_before(node):
+            px = gm.graph.call_function(aten.permute.default, (x, order))
+        with gm.graph.inserting_after(node):
+            out = gm.graph.call_function(aten.permute.default, (node, back))
+        node.replace_all_uses_with(out, delete_user_cb=lambda u, out=out: u is not out)
+        node.args = (px, *node.args[1:])
+        px.meta, out.meta = {**node.meta, "val": x.meta["val"].permute(order)}, {**node.meta, "val": val}
+        node.meta["val"] = val.permute(order).contiguous()
+        n += 1
+    if n:
+        gm.recompile()
+    return n

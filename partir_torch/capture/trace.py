@@ -31,13 +31,14 @@ from partir_torch.capture.attribution import CallTracker, ForwardArgs, ModuleTra
 from partir_torch.capture.checks import check_dtypes, check_functional
 from partir_torch.capture.convert import to_program
 from partir_torch.capture.decomp import FUNCTIONAL_DECOMPS
-from partir_torch.capture.draws import ScalarDraws
+from partir_torch.capture.draws import ScalarDraws, in_memory_order
 from partir_torch.capture.explain import CompiledPathError, data_dependent, explain
 from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
 from partir_torch.capture.isolation import ModelState
 from partir_torch.capture.opaque import OpaqueModules, OutputShapeVaries
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
+from partir_torch.capture.rewrites import Rewrites
 from partir_torch.errors import CaptureError
 from partir_torch.ir.program import Group, Program, Role
 
@@ -221,7 +222,8 @@ def capture(
             torch._C._set_mkldnn_enabled(False)
             by_autograd = bool(opaque) or old_function  # (read by `step`, as aot_autograd differentiates)
             draws = ScalarDraws()  # (a draw is a constant: `Constants` numbers none of its calls)
-            with ModelState(model), fx_traceback.preserve_node_meta(), tracker, draws, CallTracker(tracker), \
+            with ModelState(model), fx_traceback.preserve_node_meta(), tracker, draws, Rewrites(), \
+                    CallTracker(tracker), \
                     OpaqueModules(model, opaque, own_state, opaque_calls) as opaque_mods:
                 traced = (_functionalize_autograd(step) if by_autograd else
                           torch.func.functionalize(step, remove="mutations"))
@@ -245,6 +247,7 @@ def capture(
             for mod, kind, n, obj in saved:
                 getattr(mod, kind)[n] = obj
     check_functional(gm)
+    in_memory_order(gm)
     for where, p in dict(draws.skipping).items():
         warnings.warn(f"capture: the one-element torch.rand at {where} is compared with {p:g} (a LayerDrop-style "
                       "skip): the plan is made for the step that keeps every layer (the draw taken as 1.0); a step "

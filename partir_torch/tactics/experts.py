@@ -112,6 +112,19 @@ def _uncast(program: Program, rules, v: int) -> int:
     return v
 
 
+def _weight(program: Program, rules, v: int, params: set[int], out_dim: int) -> int | None:
+    """The 2-D parameter `v` is (through casts), or the one `v` is an equal part of, split along its
+    output-features dim `out_dim` (`nn.MultiheadAttention`'s packed q/k/v weight, `capture/attention.py`:
+    the split reads it in chunks, so tiling that dim tiles every part alike); else None."""
+    v = _uncast(program, rules, v)
+    if v not in params:
+        prod = program.values[v].producer
+        if prod < 0 or [d for d, _ in rules[prod].operands[0].chunks] != [out_dim]:
+            return None
+        v = _uncast(program, rules, rules[prod].operands[0].value)
+    return v if v in params and len(program.values[v].shape) == 2 else None
+
+
 def linears(program: Program, rules) -> dict[int, tuple[int, int, int]]:
     """Forward linears: op id -> (weight parameter, its output-features dim, its input-features dim)."""
     params = set(program.params.values())
@@ -119,14 +132,14 @@ def linears(program: Program, rules) -> dict[int, tuple[int, int, int]]:
     for op in program.ops:
         if op.phase is not Phase.FORWARD or op.target not in LINEAR:
             continue
-        rhs = _uncast(program, rules, rules[op.id].operands[LINEAR[op.target][1]].value)
-        if rhs in params and len(program.values[rhs].shape) == 2:
-            out[op.id] = (rhs, 1, 0)  # x @ W with W [in, out]
+        rhs = rules[op.id].operands[LINEAR[op.target][1]].value
+        if (w := _weight(program, rules, rhs, params, 1)) is not None:
+            out[op.id] = (w, 1, 0)  # x @ W with W [in, out]
             continue
-        prod = program.values[rhs].producer
+        prod = program.values[_uncast(program, rules, rhs)].producer
         if prod >= 0 and program.ops[prod].target in TRANSPOSES:
-            w = _uncast(program, rules, rules[prod].operands[0].value)
-            if w in params and len(program.values[w].shape) == 2:
+            w = _weight(program, rules, rules[prod].operands[0].value, params, 0)
+            if w is not None:
                 out[op.id] = (w, 0, 1)  # x @ W.T with W [out, in] (nn.Linear)
     return out
 

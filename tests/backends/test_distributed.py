@@ -94,7 +94,8 @@ def train_case(rank, world, name, mesh, schedule, compile=False, fp64=True, memo
     rel = max(((full[n] - p).abs().max() / p.abs().max().clamp(min=1)).item() for n, p in ref.named_parameters())
     sharded = sum(any(s is not None for s in spec) for spec in rec.plan.params.values())
     return {"losses": losses, "ref": ref_losses, "rel": rel, "rows": cmp["by_axis"], "unexpected": cmp["unexpected"],
-            "mem": (cmp["measured_peak"], cmp["predicted_peak"]), "sharded": sharded, "axes": _axes_used(rec)}
+            "mem": (cmp["measured_peak"], cmp["predicted_peak"]), "sharded": sharded, "axes": _axes_used(rec),
+            "params": rec.plan.params}
 
 
 def _decided(model, inputs, loss_fn, opt, mesh, decisions: list[str]):
@@ -159,6 +160,17 @@ def test_a_u_net_plan_whose_reshards_leave_group_norm_a_strided_operand(four):
 @pytest.mark.parametrize("name", ["hf-gpt2", "hf-t5", "tv-resnet18"])
 def test_users_models_under_expert_plans(four, name):
     check(four.run(train_case, name, "batch=2,model=2", EXPERTS["4"]))
+
+
+@pytest.mark.thirdparty
+@pytest.mark.parametrize("name", ["torch-transformer-encoder", "tv-vit"])
+def test_multihead_attention_is_split_by_heads_and_trains_as_unsharded(four, name):
+    """`nn.MultiheadAttention` (a stock `nn.TransformerEncoder` LM under causal and padding masks with torch's
+    dropout; torchvision's ViT): Megatron splits the packed q/k/v weight by heads (`capture/attention.py`)."""
+    results = four.run(train_case, name, "batch=2,model=2", EXPERTS["4"])
+    check(results)
+    packed = {n: spec for n, spec in results[0]["params"].items() if n.endswith("in_proj_weight")}
+    assert packed and all(spec == ["model", None] for spec in packed.values()), packed
 
 
 @pytest.mark.parametrize(("name", "fraction"), [("tiny-gpt2", 0.4), ("tiny-moe", 0.6), ("tiny-gns", 0.6)])

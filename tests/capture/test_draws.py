@@ -84,3 +84,49 @@ def test_a_training_only_branch_on_values_says_to_capture_in_eval_mode():
     with pytest.raises(CaptureError, match=r"test_draws\.py:\d+ .*only in training mode: capture the model in eval"):
         capture(Clamped().train(), (torch.randn(4, 8),), _loss, "sgd")
     capture(Clamped().eval(), (torch.randn(4, 8),), _loss, "sgd")
+
+
+class Transposed(nn.Module):
+    """Dropout and `rand_like` noise on an activation that is not row-major (a linear over the transposed
+    batch, transposed back: the layout `nn.TransformerEncoderLayer`'s dropout after attention reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x.transpose(0, 1)).transpose(0, 1)
+        assert not h.is_contiguous()
+        return self.drop(h) * torch.rand_like(h)
+
+
+def _sgd_state(model: nn.Module) -> tuple[dict, dict]:
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params, {n: {"momentum_buffer": torch.zeros_like(p)} for n, p in params.items()}
+
+
+def test_draws_on_a_tensor_that_is_not_row_major_are_eager_s_in_every_engine():
+    """Eager fills each random tensor in its operand's memory order; the captured step draws the same numbers
+    (`draws.dropout`), and so does every device of the simulator (`draws.in_memory_order`)."""
+    from partir_torch.ir import Mesh, Tile
+    from partir_torch.propagate import ShardingState
+    from partir_torch.simulate import simulate
+
+    torch.manual_seed(0)
+    model, x = Transposed().train(), torch.randn(4, 6, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    program = capture(model, (x,), _loss, opt)
+    assert sum(op.target == "aten.permute.default" for op in program.ops) >= 4  # both draws in memory order
+    params, states = _sgd_state(model)
+    torch.manual_seed(1)
+    out = program.run(params, {}, (x,), states)
+    torch.manual_seed(1)
+    assert out[program.loss].item() == _loss(model, x).item()
+
+    state = ShardingState(program, Mesh.parse("batch=2,x=2"))
+    state.apply(Tile(program.values[program.inputs[0]].name, 0, "batch"))
+    state.apply(Tile("lin.weight", 0, "x"))
+    torch.manual_seed(1)
+    res = simulate(program, state, params, {}, (x,), states)
+    assert res.max_abs_diff <= 1e-6, res.diffs

@@ -4,6 +4,7 @@ depthwise ones, so that GSPMD partitions them as the plan does (the package docs
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from partir_torch.backends.xla.constraints import CallConstraints
+from partir_torch.capture.attention import multi_head_attention_forward
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +298,9 @@ class Lowerings(TorchFunctionMode):
             self.table[F.instance_norm] = _instance_norm
         if attention:
             self.table[F.scaled_dot_product_attention] = _attention
+            # nn.MultiheadAttention batch-major with a heads dim, as captured (`capture/attention.py`)
+            self.table[F.multi_head_attention_forward] = functools.partial(multi_head_attention_forward,
+                                                                           attention=_attention)
         if grouped_conv:
             self.table.update({_CONV[d]: _grouped_conv(d) for d in _CONV})
             self.table.update({_CONV_T[d]: _grouped_conv_transpose(d) for d in _CONV_T})
