@@ -50,3 +50,24 @@ def test_ranks_stop_when_the_process_that_started_them_is_killed(tmp_path):
     for p in left:
         os.kill(p, 9)
     assert not left, f"ranks {left} outlived the killed process that started them"
+
+
+def exits(rank, world):
+    if rank == 1:
+        os._exit(3)
+    time.sleep(120)  # (left waiting, as in a collective with the rank that is gone)
+
+
+def test_a_rank_that_exits_fails_the_call_at_once_with_its_exit_code():
+    import pytest
+
+    from partir_torch.backends.distributed.launch import RankError
+    from partir_torch.launch import Workers
+
+    with Workers(2, timeout=60) as w:
+        start = time.monotonic()
+        with pytest.raises(RankError, match=r"exits: rank 1 exited with code 3 before answering.*__main__"):
+            w.run(exits)
+        assert time.monotonic() - start < 30
+        with pytest.raises(RankError, match=r"stopped \(rank 1 exited with code 3\); start new Workers"):
+            w.run(exits)

@@ -94,8 +94,9 @@ def _serve(rank: int, world: int, port: int, backend: str, jobs: Any, results: A
 
 class Workers:
     """`world_size` ranks kept alive; `run(fn, *args)` runs `fn(rank, world_size, *args)` on each and returns
-    their results in rank order. A rank that raises fails the call (its traceback in the message); ranks
-    that do not answer within `timeout` seconds (a collective left waiting) are stopped."""
+    their results in rank order. A rank that raises fails the call (its traceback in the message), a rank
+    process that ends fails it at once (its exit code), and ranks that do not answer within `timeout` seconds
+    (a collective left waiting) are stopped."""
 
     def __init__(self, world_size: int, *, backend: str | None = None, timeout: float = 600.0) -> None:
         ctx = mp.get_context("spawn")
@@ -110,26 +111,41 @@ class Workers:
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         if not self.alive:
-            raise RankError("the worker ranks have stopped (an earlier call timed out); start new Workers")
+            raise RankError(f"the worker ranks have stopped ({self._exits()}); start new Workers")
         for q in self.jobs:
             q.put((fn, args))
         got: dict[int, Any] = {}
         failed: list[str] = []
-        try:
-            while len(got) + len(failed) < self.world:  # after a failure, the others get a short while
-                rank, ok, value = self.results.get(timeout=self.timeout if not failed else min(self.timeout, 20.0))
-                if ok:
-                    got[rank] = value
-                else:
-                    failed.append(f"rank {rank}:\n{value}")
-        except queue.Empty:
-            self.close()
-            raise RankError(f"{self.world - len(got) - len(failed)} rank(s) did not finish {fn.__name__} in "
-                            f"{self.timeout:.0f} s (a collective waiting for a rank that failed?)"
-                            + ("\n" + "\n".join(failed) if failed else "")) from None
+        deadline = time.monotonic() + self.timeout
+        while len(got) + len(failed) < self.world:
+            try:
+                rank, ok, value = self.results.get(timeout=1.0)
+            except queue.Empty:
+                if not self.alive:  # a rank process is gone: nothing will answer for it
+                    self.close()
+                    raise RankError(f"{fn.__name__}: {self._exits()} before answering; a rank that exits before "
+                                    "its first job is often a script that starts Workers outside `if __name__ == "
+                                    "'__main__':` (each rank imports it)" + ("\n" + "\n".join(failed) if failed
+                                                                          else "")) from None
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise RankError(f"{self.world - len(got) - len(failed)} rank(s) did not finish {fn.__name__} in "
+                                    f"{self.timeout:.0f} s (a collective waiting for a rank that failed?)"
+                                    + ("\n" + "\n".join(failed) if failed else "")) from None
+                continue
+            if ok:
+                got[rank] = value
+            else:
+                failed.append(f"rank {rank}:\n{value}")
+                deadline = min(deadline, time.monotonic() + 20.0)  # after a failure, the others get a short while
         if failed:
             raise RankError(f"{fn.__name__} failed on {len(failed)} rank(s):\n" + "\n".join(failed))
         return [got[r] for r in range(self.world)]
+
+    def _exits(self) -> str:
+        """Which ranks' processes have ended, with their exit codes."""
+        gone = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self.procs) if p.exitcode is not None]
+        return ", ".join(gone) or "stopped after a timeout"
 
     @property
     def alive(self) -> bool:
