@@ -42,8 +42,9 @@ def _size(args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
 
 
 class ScalarDraws(TorchFunctionMode):
-    """`torch.rand` of one element returns the constant 1.0 (its dtype and shape kept) while the mode is
-    on; `skipping` lists (where, probability) for such draws compared with a positive number."""
+    """`torch.rand` of one element returns the constant 1.0 (its dtype and shape kept) while the mode is on,
+    the draw itself still made, so the dropout masks after it come from where eager's do; `skipping` lists
+    (where, probability) for such draws compared with a positive number."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,6 +57,7 @@ class ScalarDraws(TorchFunctionMode):
         if func is torch.rand and kwargs.get("out") is None:
             size = _size(args, kwargs)
             if size is not None and math.prod(size) == 1:
+                func(*args, **kwargs)  # still drawn (unused): the step takes from the generator what eager takes
                 dtype = kwargs.get("dtype") or torch.get_default_dtype()
                 draw = torch.tensor(1.0, dtype=dtype).reshape(size)
                 if kwargs.get("requires_grad"):

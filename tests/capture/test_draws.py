@@ -130,3 +130,17 @@ def test_draws_on_a_tensor_that_is_not_row_major_are_eager_s_in_every_engine():
     torch.manual_seed(1)
     res = simulate(program, state, params, {}, (x,), states)
     assert res.max_abs_diff <= 1e-6, res.diffs
+
+
+def test_the_layer_drop_draw_still_takes_from_the_generator_as_eager_does():
+    """The draw a block is skipped on is a constant to the trace, but still drawn: the per-element mask after
+    it is the one eager draws (HF OPT's dropout masks after its LayerDrop draws)."""
+    torch.manual_seed(0)
+    model, x = Stack(skip=0.0).train(), torch.randn(4, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    program = capture(model, (x,), _loss, opt)
+    params, states = _sgd_state(model)
+    torch.manual_seed(1)
+    out = program.run(params, {}, (x,), states)
+    torch.manual_seed(1)
+    assert out[program.loss].item() == _loss(model, x).item()
