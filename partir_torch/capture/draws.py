@@ -3,7 +3,8 @@
 LayerDrop (HF BART, mBART, Whisper, OPT, wav2vec2, ...) draws `torch.rand([])` in training mode and skips a
 layer when the draw is below its drop probability: Python control flow on a tensor's value, which a
 shapes-only trace cannot follow, even when the probability is 0 (the configs' default). Under `ScalarDraws`
-such a draw is a known constant, its upper bound 1.0, so every comparison of the kind keeps the layer: the
+such a draw is a known constant, its upper bound 1.0 (the draw is still made, unused, so the generator
+advances as eager's does), so every comparison of the kind keeps the layer: the
 captured step is the whole model, the one every step runs when the probability is 0. A draw compared with
 a positive probability is reported (`skipping`): the engine then skips layers on some steps, which run a
 program the plan did not cost and compile one of their own.
