@@ -23,7 +23,8 @@ PAIR_STOPS = frozenset({"aten.native_layer_norm.default", "aten.native_group_nor
 # ops whose result aliases their first operand's buffer (no memory of their own) (rules/view.py)
 VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.t.default", "aten.transpose.int",
                    "aten.permute.default", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim",
-                   "aten.alias.default", "aten.select.int", "aten.slice.Tensor"})
+                   "aten.alias.default", "aten.select.int", "aten.slice.Tensor",
+                   "aten.detach.default"})  # (what autograd saves for a backward: HF Gemma-2 has 127)
 
 # fused attention forwards, whose second result is what the backward reads (rules/attention.py)
 ATTENTION = frozenset({"aten._scaled_dot_product_flash_attention_for_cpu.default",
