@@ -29,14 +29,35 @@ def two():
         yield w
 
 
+class AttributeTable(torch.nn.Module):
+    """A table kept as a plain tensor attribute, not a buffer (HF GPT-J's rotary `embed_positions`): a constant
+    of the captured program."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+        self.table = torch.randn(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids) * self.table.repeat(ids.shape[0], 1, 1))
+
+
+def _table_loss(model, ids):
+    return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+
 def build(name: str, fp64: bool):
     from benchmarks.workloads import thirdparty
     from partir_torch import models
 
     torch.manual_seed(0)
     name, _, over = name.partition(":")  # "tiny-gpt2:heads=2": a zoo model with config overrides
-    model, inputs, loss_fn = (thirdparty.build(name) if name in thirdparty.NAMES else
-                              models.build(name, dict(kv.split("=") for kv in over.split(",") if kv), device="cpu"))
+    if name == "attribute-table":
+        model, inputs, loss_fn = AttributeTable(), (torch.randint(0, 32, (4, 8)),), _table_loss
+    else:
+        model, inputs, loss_fn = (thirdparty.build(name) if name in thirdparty.NAMES else
+                                  models.build(name, dict(kv.split("=") for kv in over.split(",") if kv),
+                                               device="cpu"))
     if fp64:
         model = model.double()
         inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
@@ -191,6 +212,10 @@ def test_every_optimizer_s_states_are_sharded_and_train_as_torch_optim(two, opti
     results = two.run(train_case, "tiny-gpt2", "batch=2", EXPERTS["2"], False, True, None, 3, optimizer, True)
     check(results)
     assert results[0]["axes"] == ["batch"], results[0]
+
+
+def test_a_tensor_the_model_keeps_as_a_plain_attribute_is_a_constant_of_the_rank_program(two):
+    check(two.run(train_case, "attribute-table", "batch=2", EXPERTS["2"]))
 
 
 def compiled_case(rank, world, name):

@@ -250,4 +250,6 @@ def trace(program: RankProgram, local: Sequence[torch.Tensor]) -> torch.fx.Graph
     nothing runs, no collective is issued)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    return make_fx(program, tracing_mode="fake")(*local)
+    # (the program's constants, a table a module keeps as a plain attribute (HF GPT-J's rotary `embed_positions`),
+    # are real tensors: kept in the graph as its constants)
+    return make_fx(program, tracing_mode="fake", _allow_non_fake_inputs=True)(*local)
