@@ -73,14 +73,14 @@ def case(rank: int, world: int, name: str, steps: int) -> dict:
 
 def table(results: dict) -> str:
     lines = ["| architecture | loss diff | parameter diff (first / last step) | collective bytes (measured / "
-             "predicted) | memory (measured / predicted) | s |", "|---|---:|---:|---|---:|---:|"]
+             "predicted) | memory (measured / predicted) |", "|---|---:|---:|---|---:|"]
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | {r['error']} | | | | |")
+            lines.append(f"| {name} | {r['error']} | | | |")
             continue
         b = f"{r['measured_bytes']:,} / {r['predicted_bytes']:,}" + ("" if r["bytes_exact"] else " (differ)")
         lines.append(f"| {name} | {r['loss']:.1e} | {r['params'][0]:.1e} / {r['params'][-1]:.1e} | {b} | "
-                     f"{r['memory']:.2f} | {r['s']:.0f} |")
+                     f"{r['memory']:.2f} |")
     return "\n".join(lines)
 
 
