@@ -32,7 +32,7 @@ SKIP = {"hf-mixtral": "its MoE routing has data-dependent shapes: captured only 
 DOC = ROOT / "docs" / "distributed.md"
 
 
-def case(rank: int, world: int, name: str, steps: int) -> dict:
+def case(rank: int, world: int, name: str, steps: int, fp64: bool = True) -> dict:
     """One architecture on this rank: the figures of a row (rank 0's are kept)."""
     import torch
 
@@ -41,8 +41,9 @@ def case(rank: int, world: int, name: str, steps: int) -> dict:
     from partir_torch.backends.distributed import engine, measure
 
     model, inputs, loss_fn = thirdparty.build(name)
-    model = model.double()
-    inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    if fp64:
+        model = model.double()
+        inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
     ref = copy.deepcopy(model)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (model, ref))
     with warnings.catch_warnings():
@@ -79,6 +80,7 @@ def table(results: dict) -> str:
             lines.append(f"| {name} | {r['error']} | | | |")
             continue
         b = f"{r['measured_bytes']:,} / {r['predicted_bytes']:,}" + ("" if r["bytes_exact"] else " (differ)")
+        name = name if "float32" not in r else f"{name} (float32; {r['float32']})"
         lines.append(f"| {name} | {r['loss']:.1e} | {r['params'][0]:.1e} / {r['params'][-1]:.1e} | {b} | "
                      f"{r['memory']:.2f} |")
     return "\n".join(lines)
@@ -101,12 +103,16 @@ def main() -> None:
                 results[name] = {"error": f"not run: {SKIP[name]}"}
                 continue
             t = time.perf_counter()
-            try:
-                r = w.run(case, name, args.steps)[0]
-            except Exception as e:  # the row says what failed; the ranks are started again
-                r = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"}
-                w.close()
-                w = Workers(4, timeout=900)
+            r = None
+            for fp64 in (True, False):  # (a model whose own code fails in float64 runs in float32, and says so)
+                try:
+                    r = {**w.run(case, name, args.steps, fp64)[0], **(r or {})}
+                    break
+                except Exception as e:  # the row says what failed; the ranks are started again
+                    why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+                    r = {"error": why} if not fp64 else {"float32": f"in float64: {why}"}
+                    w.close()
+                    w = Workers(4, timeout=900)
             r["s"] = time.perf_counter() - t
             results[name] = r
             print(name, r, flush=True)
