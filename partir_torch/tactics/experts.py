@@ -119,7 +119,7 @@ def _weight(program: Program, rules, v: int, params: set[int], out_dim: int) -> 
     v = _uncast(program, rules, v)
     if v not in params:
         prod = program.values[v].producer
-        if prod < 0 or [d for d, _ in rules[prod].operands[0].chunks] != [out_dim]:
+        if prod < 0 or not rules[prod].operands or [d for d, _ in rules[prod].operands[0].chunks] != [out_dim]:
             return None
         v = _uncast(program, rules, rules[prod].operands[0].value)
     return v if v in params and len(program.values[v].shape) == 2 else None

@@ -122,13 +122,14 @@ class Workers:
                 rank, ok, value = self.results.get(timeout=1.0)
             except queue.Empty:
                 if not self.alive:  # a rank process is gone: nothing will answer for it
-                    self.close()
-                    raise RankError(f"{fn.__name__}: {self._exits()} before answering; a rank that exits before "
+                    gone = self._exits()
+                    self.close(abandon=True)
+                    raise RankError(f"{fn.__name__}: {gone} before answering; a rank that exits before "
                                     "its first job is often a script that starts Workers outside `if __name__ == "
                                     "'__main__':` (each rank imports it)" + ("\n" + "\n".join(failed) if failed
                                                                           else "")) from None
                 if time.monotonic() > deadline:
-                    self.close()
+                    self.close(abandon=True)
                     raise RankError(f"{self.world - len(got) - len(failed)} rank(s) did not finish {fn.__name__} in "
                                     f"{self.timeout:.0f} s (a collective waiting for a rank that failed?)"
                                     + ("\n" + "\n".join(failed) if failed else "")) from None
@@ -151,14 +152,18 @@ class Workers:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def close(self) -> None:
+    def close(self, *, abandon: bool = False) -> None:
+        """Stop the ranks: each after its current job, or (`abandon`: a call given up on, whose ranks may wait in
+        a collective for ever) at once."""
         for q, p in zip(self.jobs, self.procs):
-            if p.is_alive():
+            if p.is_alive() and not abandon:
                 q.put(None)
         for p in self.procs:
-            p.join(timeout=10)
+            if not abandon:
+                p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
 
     def __enter__(self) -> Workers:
         return self
