@@ -243,27 +243,9 @@ def test_what_autograd_saves_through_a_detach_is_its_operand_s_memory():
     parameters and saved tensors through `detach` ops (Gemma-2 has 127), which alias their operand: no memory
     of their own (the torch backend measured Gemma-2's peak at 0.80 x the prediction when they had)."""
     from partir_torch.cost.tables import tables
+    from tests.capture.test_trace import _OldStyle
 
-    class Cube(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x * x * x
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return 3 * x * x * g
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(16, 64), nn.Linear(64, 16)
-
-        def forward(self, x):
-            return self.b(Cube.apply(self.a(x)))
-
-    program = capture(Net(), (torch.randn(32, 16),), lambda m, x: m(x).square().mean(), "adamw")
+    program = capture(_OldStyle(), (torch.randn(32, 4),), lambda m, x: m(x).square().mean(), "adamw")
     detached = {o for op in program.ops if op.target == "aten.detach.default" for o in op.outputs}
     assert detached
     st, _ = tables(ShardingState(program, Mesh.parse("batch=2")))
