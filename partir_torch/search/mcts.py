@@ -251,7 +251,10 @@ class MCTS:
                         self.episode()
                         report.update(self.stats.episodes, self.best[0].objective, not self.best[0].infeasible)
                     if refine > 0:
-                        n = None if budget.episodes is None else max(8, int(budget.episodes * refine * 4))
+                        # an episode of the refinement's share buys 8 applied actions: a climb from an expert
+                        # composite on a 3-4 axis mesh replays plans of ~10 actions (L70: at 4 per episode,
+                        # the best start's neighbourhood took all of it, and the next start's basin was better)
+                        n = None if budget.episodes is None else max(8, int(budget.episodes * refine * 8))
                         self.local.refine(None if budget.seconds is None else t0 + budget.seconds, n, starts)
                     if end is None or (not self.root.untried and not self.root.children):
                         break

@@ -11,12 +11,13 @@ from partir_torch.cost import evaluate, hardware
 from partir_torch.ir.mesh import parse_mesh
 from partir_torch.search import Auto, Budget, SearchConfig
 from partir_torch.search.seeds import composites
-from partir_torch.search.space import replay
+from partir_torch.search.space import replay, state_slots
 from partir_torch.tactics import apply_schedule
 
 _WIDE = {"batch": "16", "seq": "1024", "width": "2048", "heads": "16", "kv_heads": "4", "ffn": "8192",
          "vocab": "32000"}
-_TACTIC = {"dp": "DP", "fsdp": "FSDP", "zero1": "DP;{a}:ZeRO(1)", "megatron": "Megatron"}
+_TACTIC = {"dp": "DP", "fsdp": "FSDP", "zero1": "DP;{a}:ZeRO(1)", "megatron": "Megatron",
+           "megatron_sp": "Megatron;{a}:SequenceParallel"}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def llama():
 def _schedule(name: str) -> str:
     """`data:dp,model:megatron` as the tactics' schedule, Megatron first (the canonical order's)."""
     parts = [p.split(":") for p in name.split(",") if not p.endswith(":none")]  # (an axis left unused)
-    parts.sort(key=lambda p: p[1] != "megatron")
+    parts.sort(key=lambda p: not p[1].startswith("megatron"))
     return ";".join(f"{a}:" + _TACTIC[r].format(a=a) for a, r in parts)
 
 
@@ -41,7 +42,7 @@ def test_each_composite_is_the_plan_its_tactics_make(llama):
     assert "data:dp,fsdp:fsdp,model:megatron" in names and "data:zero1,fsdp:megatron,model:fsdp" in names
     assert not any(f"data:{r}" in n for n in names for r in ("fsdp", "megatron"))  # the DCN axis: dp, zero1
     assert all(n.count("megatron") <= 1 and n.count(":none") <= 1 for n in names)
-    assert "data:none,fsdp:fsdp,model:megatron" in names
+    assert "data:none,fsdp:fsdp,model:megatron" in names and "data:dp,fsdp:fsdp,model:megatron_sp" in names
     hw = hardware("tpu-v5p")
     for name, acts in got:
         plan = replay(root, acts)
@@ -49,6 +50,23 @@ def test_each_composite_is_the_plan_its_tactics_make(llama):
         expert = apply_schedule(llama, mesh, _schedule(name))
         assert plan.shard == expert.shard, name
         assert evaluate(plan, hw, dcn_axes=dcn).step_time_s == evaluate(expert, hw, dcn_axes=dcn).step_time_s
+
+
+def test_a_group_too_small_for_a_slot_is_still_tiled_as_megatron_tiles_it():
+    """Grouped-query attention with one k/v head: the k/v projections are far below a slot's share of the
+    largest weight, yet Megatron (and so its composite) splits them; left whole they would cost every layer
+    their compute on every device and an all-reduce of their gradient (L405 was 1.06 x the expert)."""
+    model, inputs, loss_fn = models.build("tiny-llama", {**_WIDE, "kv_heads": "1", "batch": "4", "seq": "64"})
+    program = capture(model, inputs, loss_fn, "adamw", fold=True)
+    mesh, _ = parse_mesh("data=2,model=2")
+    root = apply_schedule(program, mesh, [])
+    assert not any("k_proj" in s.target for s in state_slots(root))
+    got = dict(composites(root, mesh.names))
+    for name in ("data:dp,model:megatron", "data:fsdp,model:megatron_sp"):
+        plan = replay(root, got[name])
+        assert plan is not None and plan.shard == apply_schedule(program, mesh, _schedule(name)).shard, name
+        k = program.params["layers.0.self_attn.k_proj.weight"]
+        assert plan.shard[k].dims[0][0] == "model", name
 
 
 def test_chained_linears_grouped_as_repeats_still_give_a_megatron_composite():
