@@ -42,24 +42,31 @@ class LitGPT(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
+def build(tiny: bool) -> tuple[LitGPT, torch.utils.data.DataLoader]:
+    """The module and its data loader, seeded: the same on every rank, and on one device."""
+    torch.manual_seed(0)
+    vocab, d, heads, layers, seq, batch = (128, 32, 4, 2, 16, 8) if tiny else (4096, 256, 8, 4, 128, 16)
+    data = torch.randint(0, vocab, (4 * batch, seq + 1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch)
+    return LitGPT(vocab, d, heads, layers, seq), loader
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--backend", choices=["xla", "torch"], default="xla")
     ap.add_argument("--checkpoint", default=None, help="a directory: Lightning checkpoints the sharded module there")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    vocab, d, heads, layers, seq, batch = (128, 32, 4, 2, 16, 8) if args.tiny else (4096, 256, 8, 4, 128, 16)
-    data = torch.randint(0, vocab, (4 * batch, seq + 1))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch)
+    model, loader = build(args.tiny)
     mesh = {"batch": 2, "model": 4} if args.backend == "xla" else {"batch": 2, "model": 2}
     strategy = AutoShardStrategy(mesh, memory="400KiB" if args.tiny else "40MiB", budget=80, backend=args.backend)
-    devices = {"accelerator": "cpu", "devices": 4} if args.backend == "torch" else {}
+    # torch: Lightning starts 4 processes, each reading this loader whole, in its order (as one device would;
+    # its default distributed sampler would shuffle it, as under DDP)
+    devices = {"accelerator": "cpu", "devices": 4, "use_distributed_sampler": False} if args.backend == "torch" else {}
     saving = {"callbacks": [pl.callbacks.ModelCheckpoint(dirpath=args.checkpoint, every_n_train_steps=2)]} \
         if args.checkpoint else {"enable_checkpointing": False}
     trainer = pl.Trainer(strategy=strategy, max_steps=3 if args.tiny else 8, logger=False, enable_model_summary=False,
                          enable_progress_bar=not args.tiny, **devices, **saving)
-    model = LitGPT(vocab, d, heads, layers, seq)
     trainer.fit(model, loader)
     if trainer.global_rank:
         return
@@ -67,7 +74,7 @@ def main() -> None:
     for name, spec in strategy.plan.params.items():
         if any(spec):
             print(f"  {name}: {spec}")
-    print(f"final loss {float(trainer.callback_metrics['loss']):.4f}")
+    print(f"final loss {float(trainer.callback_metrics['loss']):.6f}")
 
 
 if __name__ == "__main__":

@@ -237,7 +237,10 @@ class TorchAutoShardStrategy(DDPStrategy):
     `Trainer(accelerator="cpu", devices=4)` on gloo, GPUs on NCCL, or under torchrun); on the first training batch
     rank 0 plans the module's `training_step` and every rank applies the plan (`auto_shard(..., backend="torch")`);
     each step is then the plan's rank program (`partir_torch.step`): Lightning's backward and optimizer step are
-    part of it. Every rank sees the whole batch (the sampler is not split by rank: the plan splits it). The
+    part of it. Every rank sees the whole batch (the sampler is not split by rank: the plan splits it), and the
+    ranks check they read the same first batch. Lightning's distributed sampler shuffles the training set as
+    under DDP (one seed on every rank); with `Trainer(use_distributed_sampler=False)` the loader's own order
+    is kept, the batches one device would read (then its sampler must draw alike on every rank). The
     module's state dict is gathered whole for Lightning's checkpoints; at teardown the module is unsharded."""
 
     strategy_name = "partir_auto_shard_torch"
@@ -280,6 +283,9 @@ class TorchAutoShardStrategy(DDPStrategy):
                 full[i] = x
             return _loss_of(model.training_step(pytree.tree_unflatten(full, spec), 0))
 
+        shard.same_batch([leaves[i] for i in tensors], "first training batch",
+                         "keep Lightning's distributed sampler (`use_distributed_sampler=True`, one seed on every "
+                         "rank), or give the loader's sampler the same seed on every rank")
         with _Silenced(module):
             _, opt = shard.auto_shard(module, [leaves[i] for i in tensors], self._mesh_arg, loss_fn=loss_fn,
                                       optimizer=template, plan=self.plan, compile=self.compile, options=self.options)

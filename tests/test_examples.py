@@ -49,12 +49,29 @@ def test_saved_plan_is_searched_in_one_process_and_applied_in_another(tmp_path):
     assert "step 2: loss" in trained
 
 
+@pytest.fixture(scope="module")
+def one_device_loss() -> float:
+    """The Lightning example's final loss trained unsharded: a plain `Trainer` on one CPU device (in a process
+    of its own, as the examples run)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import pytorch_lightning as pl; import lightning_gpt as g\n"
+            "model, loader = g.build(True)\n"
+            "t = pl.Trainer(max_steps=3, logger=False, enable_model_summary=False, enable_progress_bar=False, "
+            "enable_checkpointing=False, accelerator='cpu', devices=1)\n"
+            "t.fit(model, loader); print('final loss', float(t.callback_metrics['loss']))")
+    return _final_loss(_run("-c", code, str(EXAMPLES)))
+
+
+def _final_loss(out: str) -> float:
+    return float(next(x for x in out.splitlines() if x.startswith("final loss")).split()[-1])
+
+
 @needs_xla
-def test_lightning_example_trains_with_the_strategy():
+def test_lightning_example_trains_with_the_strategy(one_device_loss):
+    """... to the loss the module reaches unsharded on one device."""
     out = _run(str(EXAMPLES / "lightning_gpt.py"), "--tiny")
     assert "the applied plan's sharded parameters:" in out
     assert any(line.startswith("  net.") for line in out.split("sharded parameters:")[1].splitlines())
-    assert "final loss" in out
+    assert _final_loss(out) == pytest.approx(one_device_loss, rel=1e-5)
 
 
 def test_torchrun_example_plans_trains_and_restores_a_dcp_checkpoint(tmp_path):
@@ -72,13 +89,16 @@ def test_torchrun_example_plans_trains_and_restores_a_dcp_checkpoint(tmp_path):
     assert restored == trained, line
 
 
-def test_lightning_example_on_the_torch_backend_launches_ranks_and_checkpoints_whole_tensors(tmp_path):
+def test_lightning_example_on_the_torch_backend_launches_ranks_and_checkpoints_whole_tensors(tmp_path,
+                                                                                           one_device_loss):
     """`AutoShardStrategy(..., backend="torch")`: Lightning starts 4 CPU processes, rank 0 plans, each step is the
-    plan's rank program; a checkpoint taken mid-fit holds the whole (gathered) parameters."""
+    plan's rank program, reaching the loss of one device on the same batches; a checkpoint taken mid-fit holds the
+    whole (gathered) parameters."""
     import torch
 
     out = _run(str(EXAMPLES / "lightning_gpt.py"), "--tiny", "--backend", "torch", "--checkpoint", str(tmp_path))
-    assert "on torch.distributed" in out and "final loss" in out
+    assert "on torch.distributed" in out
+    assert _final_loss(out) == pytest.approx(one_device_loss, rel=1e-5)
     assert any(line.startswith("  net.") for line in out.split("sharded parameters:")[1].splitlines())
     (ckpt,) = tmp_path.glob("*.ckpt")
     state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]

@@ -54,6 +54,8 @@ def build(name: str, fp64: bool):
     name, _, over = name.partition(":")  # "tiny-gpt2:heads=2": a zoo model with config overrides
     if name == "attribute-table":
         model, inputs, loss_fn = AttributeTable(), (torch.randint(0, 32, (4, 8)),), _table_loss
+    elif name == "sliced-batch":  # tokens sliced from longer rows (`data[:, :-1]`): not row-major
+        model, inputs, loss_fn = AttributeTable(), (torch.randint(0, 32, (4, 9))[:, :-1],), _table_loss
     else:
         model, inputs, loss_fn = (thirdparty.build(name) if name in thirdparty.NAMES else
                                   models.build(name, dict(kv.split("=") for kv in over.split(",") if kv),
@@ -215,6 +217,32 @@ def test_every_optimizer_s_states_are_sharded_and_train_as_torch_optim(two, opti
 
 def test_a_tensor_the_model_keeps_as_a_plain_attribute_is_a_constant_of_the_rank_program(two):
     check(two.run(train_case, "attribute-table", "batch=2", EXPERTS["2"]))
+
+
+def test_a_batch_that_is_not_row_major_is_fed_row_major(two):
+    """The captured step may `view` an input (the loss's `flatten`), as it may on the row-major example; a rank's
+    part of a sliced batch is not row-major, so the engine feeds it contiguous."""
+    check(two.run(train_case, "sliced-batch", "batch=2", EXPERTS["2"]))
+
+
+def same_batch_case(rank, world, differ):
+    from partir_torch import PartirError
+    from partir_torch.backends.distributed.shard import same_batch
+
+    x = torch.arange(12).reshape(3, 4) + (rank if differ else 0)
+    try:
+        same_batch([x.t(), torch.ones(2)], "first training batch", "seed the loader alike")
+    except PartirError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_reading_different_batches_all_raise(two):
+    """(`AutoShardStrategy` on the torch backend checks its first batch: a loader that draws apart on each rank.)"""
+    assert two.run(same_batch_case, False) == [None, None]
+    for msg in two.run(same_batch_case, True):
+        assert msg is not None and "the ranks hold different first training batch" in msg and "[0]" in msg \
+            and "[1]" in msg and "seed the loader alike" in msg, msg
 
 
 def compiled_case(rank, world, name):

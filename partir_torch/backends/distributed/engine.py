@@ -275,8 +275,10 @@ def rank_inputs(rec: Sharded, model: nn.Module, optimizer: torch.optim.Optimizer
             out.append(torch.zeros(state.shard[vid].local_shape(val.shape, rm.mesh), dtype=val.dtype,
                                    device=rm.device))
         else:
+            # row-major, as the capture's example inputs were: the program may `view` them (a sliced batch,
+            # `data[:, :-1]`, or a rank's slice of an inner dim is not)
             x = batch[key].to(rm.device)
-            out.append(x if local else local_part(x, state.shard[vid], rm))
+            out.append((x if local else local_part(x, state.shard[vid], rm)).contiguous())
     return out
 
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,6 +50,21 @@ def _everyone(rm: RankMesh, what: str, ok: bool, value: Any) -> list[Any]:
         raise DistributedError(f"{what} failed on rank {r}" + (f" (and {len(failed) - 1} more)" if len(failed) > 1
                                                                else "") + f": {v}")
     return [v for _, v in got]
+
+
+def same_batch(batch: Sequence[torch.Tensor], what: str, fix: str) -> None:
+    """Every rank holds the same `batch` (compared by digest), else every rank raises: the plan splits one global
+    batch, so ranks that read different data would each train on a part of none of them, silently."""
+    h = hashlib.sha256()
+    for t in batch:
+        h.update(f"{tuple(t.shape)} {t.dtype};".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, h.hexdigest()[:12])
+    if len(set(got)) != 1:
+        ranks = {d: [r for r, x in enumerate(got) if x == d] for d in dict.fromkeys(got)}
+        raise DistributedError(f"the ranks hold different {what} (digests by rank: {ranks}); every rank must pass "
+                               f"the whole global batch: {fix}")
 
 
 def plan_on_rank0(rm: RankMesh, make: Callable[[], ShardingPlan]) -> ShardingPlan:
