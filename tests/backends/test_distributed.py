@@ -219,6 +219,16 @@ def test_a_tensor_the_model_keeps_as_a_plain_attribute_is_a_constant_of_the_rank
     check(two.run(train_case, "attribute-table", "batch=2", EXPERTS["2"]))
 
 
+def test_a_convnext_whose_norm_gradient_is_gathered_runs_as_unsharded(four):
+    """torchvision's ConvNeXt under a plan the search found for it (float64, 0.6 x the replicated memory): a
+    channels-last LayerNorm's input gradient, sliced and permuted back, is all-gathered; its fake strides said
+    row-major, the CPU's were not (`rank._guard_collective_inputs`)."""
+    decisions = ["tile(features.3.0.block.3.bias, 0, batch)", "tile(features.1.0.block.5.weight, 1, batch)",
+                 "tile(features.1.0.block.0.weight, 0, batch)", "tile(features.3.0.block.3.bias, 0, model)",
+                 "tile(features.3.0.block.0.weight, 0, model)", "tile(features.1.0.block.5.weight, 1, model)"]
+    check(four.run(train_case, "tv-convnext", "batch=2,model=2", decisions, False, True, None, 2))
+
+
 def test_a_batch_that_is_not_row_major_is_fed_row_major(two):
     """The captured step may `view` an input (the loss's `flatten`), as it may on the row-major example; a rank's
     part of a sliced batch is not row-major, so the engine feeds it contiguous."""

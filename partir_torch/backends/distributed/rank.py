@@ -252,4 +252,29 @@ def trace(program: RankProgram, local: Sequence[torch.Tensor]) -> torch.fx.Graph
 
     # (the program's constants, a table a module keeps as a plain attribute (HF GPT-J's rotary `embed_positions`),
     # are real tensors: kept in the graph as its constants)
-    return make_fx(program, tracing_mode="fake", _allow_non_fake_inputs=True)(*local)
+    gm = make_fx(program, tracing_mode="fake", _allow_non_fake_inputs=True)(*local)
+    _guard_collective_inputs(gm)
+    return gm
+
+
+def _row_major(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _guard_collective_inputs(gm: torch.fx.GraphModule) -> None:
+    """A collective's operand made contiguous when it runs, not only when traced: a fake kernel's strides can
+    differ from the real one's (`native_layer_norm_backward`'s gradient keeps its input's permuted strides on
+    fake tensors and is row-major on the CPU; ConvNeXt's channels-last norm, sliced and permuted back, then
+    gathered), and then the traced `.contiguous()` was elided where the real tensor needs it."""
+    collectives = {torch.ops._c10d_functional.all_gather_into_tensor.default,
+                   torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                   torch.ops._c10d_functional.all_reduce.default,
+                   torch.ops._c10d_functional.all_to_all_single.default}
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in collectives and isinstance(node.args[0], torch.fx.Node):
+            src = node.args[0]
+            with gm.graph.inserting_before(node):
+                guard = gm.graph.call_function(_row_major, (src,))
+            guard.meta = dict(src.meta)
+            node.replace_input_with(src, guard)
+    gm.recompile()
