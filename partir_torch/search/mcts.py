@@ -252,12 +252,10 @@ class MCTS:
                         report.update(self.stats.episodes, self.best[0].objective, not self.best[0].infeasible)
                     if refine > 0:
                         # 4 applied actions per episode of the refinement's share, and as many again up to
-                        # 320: a climb from an expert composite on a 3-4 axis mesh replays plans of ~10
-                        # actions (L70 at 200 episodes: at 4 per episode the best start's neighbourhood took
-                        # all of it, and the next start's basin was better); that need does not grow with the
-                        # budget (the demo's 6000 episodes: +37 % search time for 0.3 % at 8 per episode)
-                        share = budget.episodes * refine * 4 if budget.episodes is not None else 0
-                        n = None if budget.episodes is None else max(8, int(share + min(share, 320)))
+                        # 320: the climbs from the expert composites need a few hundred whatever the budget
+                        # (docs/search.md, "Axes")
+                        n = None if budget.episodes is None else \
+                            max(8, int(4 * budget.episodes * refine + min(4 * budget.episodes * refine, 320)))
                         self.local.refine(None if budget.seconds is None else t0 + budget.seconds, n, starts)
                     if end is None or (not self.root.untried and not self.root.children):
                         break
