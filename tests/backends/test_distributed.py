@@ -180,7 +180,7 @@ def test_a_u_net_plan_whose_reshards_leave_group_norm_a_strided_operand(four):
 
 
 @pytest.mark.thirdparty
-@pytest.mark.parametrize("name", ["hf-gpt2", "hf-t5", "tv-resnet18"])
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-t5", "timm-resnet10t"])
 def test_users_models_under_expert_plans(four, name):
     """(Every model of the sweep: `benchmarks/torch_users.py`, `docs/distributed.md`.)"""
     check(four.run(train_case, name, "batch=2,model=2", EXPERTS["4"]))

@@ -219,7 +219,9 @@ def test_a_stage3_weight_read_by_a_linear_its_bias_tiles_is_gathered_as_planned(
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     j = partir_torch.verify(model, batch, plan=plan, loss_fn=gated_loss, optimizer=opt, steps=2,
                             numerics=True).to_json()
-    assert j["unexpected_collectives"] == [] and j["max_rel_diff"] <= 1e-5
+    # AdamW in fp32: a gradient element at rounding level is normalised by Adam to a step of about lr, so the
+    # rounding of the compiled program shows: 3.1e-6 on gate.weight's 0.196 after 2 steps on an AMD EPYC (1.6e-5)
+    assert j["unexpected_collectives"] == [] and j["max_rel_diff"] <= 5e-5
     axes = {(c["kind"], tuple(c["axes"])): c for c in j["by_axis"]}
     assert axes["all-gather", ("model",)]["measured"] == axes["all-gather", ("model",)]["predicted"] > 0, axes
     assert set(axes) == {("all-gather", ("model",)), ("all-reduce", ("batch",))}, axes  # none over model
@@ -323,18 +325,10 @@ def test_a_tied_weight_s_read_gradient_is_constrained_as_the_plan_makes_its_term
 # it was written for (tiny-gns: the search's under 0.4 x the replicated peak at 2b45b21)
 DECIDED = {"tiny-gns": ["tile(inputs[0], 0, batch)", "tile(inputs[1], 0, batch)", "tile(inputs[1], 0, model)",
                         "zero3(*, -1, 'model')"]}
-# known: GSPMD moves bytes the plan does not (the torch backend runs these exactly, by construction)
-GSPMD_DEVIATES = {"tiny-gns-columns": ["tile(node_encoder.0.weight, 0, model)", "tile(edge_encoder.0.weight, 0, model)",
-                                       "tile(processor.*.edge_mlp.0.weight, 0, model)",
-                                       "tile(processor.*.node_mlp.0.weight, 0, model)", "tile(inputs[0], 0, batch)",
-                                       "tile(inputs[1], 0, batch)", "zero3(*, -1, 'batch')"]}
-
-
-# (not the U-Net: 55 s of the suite; the torch backend runs its plan, tests/backends/test_distributed.py)
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-gns", "tiny-moe", pytest.param(
-    "tiny-gns-columns", marks=pytest.mark.xfail(strict=True, reason="GSPMD adds 8 collective-permutes (4 KiB) over "
-                                                "'model' for the column-split encoders (the search's plan since "
-                                                "the seed composites changed)"))])
+# GPT's (module inputs resharded on entry, LayerNorm, a tied table) and GNS's (ZeRO-3 with the batch on the same
+# axis); `benchmarks/engine.py` runs every zoo model's (docs/benchmarks.md), among them GNS's plan of today, which
+# GSPMD runs with 8 collective-permutes over 'model' the plan does not have (the torch backend runs it exactly)
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-gns"])
 def test_searched_plans_compile_to_the_predicted_collectives(name):
     """Plans the search makes under a tight memory limit put the batch and weights on the same axis, so
     most ops meet conflicting layouts: XLA must reshard where the plan does (module inputs constrained as
@@ -350,8 +344,7 @@ def test_searched_plans_compile_to_the_predicted_collectives(name):
     from partir_torch.tactics.schedule import replay
 
     mesh = "batch=2,model=4"
-    decided = {**DECIDED, **GSPMD_DEVIATES}.get(name)
-    name = name.removesuffix("-columns")
+    decided = DECIDED.get(name)
     config = {} if name == "tiny-gns" else {"batch": "8"}  # (a graph: its batch is one graph)
     net, inputs, loss_fn = models.build(name, config, device="meta")
     program = capture(net, inputs, loss_fn, "adamw")

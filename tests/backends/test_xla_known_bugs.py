@@ -116,3 +116,46 @@ def test_a_grouped_convolution_with_a_split_batch_has_the_right_weight_gradient(
     conv(xd).square().mean().backward()
     torch_xla.sync()
     torch.testing.assert_close(conv.weight.grad.cpu(), ref)
+
+
+def _manual_collective(kind: str) -> torch.Tensor:
+    """One collective over `model` on a (2, 4) mesh inside a manual-sharding region (each device its [4, 3] rows
+    of a [32, 3] tensor, as a per-rank program would hold them), the result read back whole. A manual region
+    is how XLA could run a plan's own per-rank program and collectives instead of GSPMD's partitioning."""
+    import numpy as np
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.Mesh(np.arange(8), (2, 4), ("batch", "model"))
+    groups, spec = [[0, 1, 2, 3], [4, 5, 6, 7]], (("batch", "model"), None)
+    x = torch.arange(96, dtype=torch.float32).reshape(32, 3)
+    local = xs.enable_manual_sharding(x.to(torch_xla.device()), spec, mesh=mesh).global_tensor
+    if kind == "all-gather":
+        y, rows = xm.all_gather(local, 0, groups=groups, pin_layout=False, channel_id=1,
+                                use_global_device_ids=True), 128
+    elif kind == "reduce-scatter":
+        y, rows = torch_xla._XLAC._xla_spmd_reduce_scatter(xm.REDUCE_SUM, local, 1.0, 0, 4, groups), 8
+    else:  # (xm.all_to_all takes no channel id nor global device ids)
+        y, rows = xm.all_to_all(local, 0, 0, 4, groups=groups, pin_layout=False), 32
+    return xs.disable_manual_sharding(y, spec, (rows, 3), mesh=mesh).global_tensor.cpu()
+
+
+def test_a_manual_region_runs_all_gather_and_reduce_scatter_over_a_mesh_axis():
+    """The control for the bug below: what a per-rank program needs besides all-reduce runs in a manual region."""
+    x = torch.arange(96, dtype=torch.float32).reshape(8, 4, 3)  # [device, row, col]
+    gathered = _manual_collective("all-gather").reshape(8, 16, 3)
+    assert torch.equal(gathered[0], x[:4].reshape(16, 3)) and torch.equal(gathered[7], x[4:].reshape(16, 3))
+    summed = _manual_collective("reduce-scatter").reshape(8, 3)  # device d: row d % 4 of its group's sum
+    assert torch.equal(summed[1], x[:4, 1].sum(0)) and torch.equal(summed[6], x[4:, 2].sum(0))
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="torch_xla 2.9 emits a manual region's all-to-all "
+                   "without a channel id or global device ids, which XLA refuses at run time ('0 <= replica_id && "
+                   "replica_id < replica_count 1 1'): so XLA cannot run a plan's own per-rank program (every plan "
+                   "that reads a tile in chunks or dispatches tokens has an all-to-all) and GSPMD partitions the "
+                   "step its own way instead (docs/benchmarks.md: the bytes it moves beside the plan's)")
+def test_a_manual_region_runs_an_all_to_all_over_a_mesh_axis():
+    x = torch.arange(96, dtype=torch.float32).reshape(8, 4, 3)
+    exchanged = _manual_collective("all-to-all").reshape(8, 4, 3)
+    assert torch.equal(exchanged[1], x[:4, 1])  # device 1 gets row 1 of each device of its group
