@@ -434,3 +434,13 @@ def test_the_gpu_check_skips_cleanly_without_cuda():
     script = Path(__file__).parents[2] / "benchmarks" / "gpu.py"
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "no CUDA device found; skipped" in r.stdout, r.stderr[-2000:]
+
+
+def test_ranks_that_hold_different_values_are_named_by_value():
+    from partir_torch.backends.distributed.runtime import DistributedError
+    from partir_torch.backends.distributed.shard import _agree
+
+    _agree(["a1", "a1", "a1"], "plans", "digests", "seed them alike")  # all alike: nothing to say
+    with pytest.raises(DistributedError, match=r"the ranks hold different plans \(digests by rank: "
+                                               r"\{'a1': \[0, 2\], 'b2': \[1\]\}\); seed them alike"):
+        _agree(["a1", "b2", "a1"], "plans", "digests", "seed them alike")

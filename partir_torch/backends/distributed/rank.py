@@ -257,10 +257,6 @@ def trace(program: RankProgram, local: Sequence[torch.Tensor]) -> torch.fx.Graph
     return gm
 
 
-def _row_major(x: torch.Tensor) -> torch.Tensor:
-    return x if x.is_contiguous() else x.contiguous()
-
-
 def _guard_collective_inputs(gm: torch.fx.GraphModule) -> None:
     """A collective's operand made contiguous when it runs, not only when traced: a fake kernel's strides can
     differ from the real one's (`native_layer_norm_backward`'s gradient keeps its input's permuted strides on
@@ -274,7 +270,7 @@ def _guard_collective_inputs(gm: torch.fx.GraphModule) -> None:
         if node.op == "call_function" and node.target in collectives and isinstance(node.args[0], torch.fx.Node):
             src = node.args[0]
             with gm.graph.inserting_before(node):
-                guard = gm.graph.call_function(_row_major, (src,))
+                guard = gm.graph.call_method("contiguous", (src,))  # (a no-op on a row-major tensor)
             guard.meta = dict(src.meta)
             node.replace_input_with(src, guard)
     gm.recompile()

@@ -61,10 +61,14 @@ def same_batch(batch: Sequence[torch.Tensor], what: str, fix: str) -> None:
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     got: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(got, h.hexdigest()[:12])
-    if len(set(got)) != 1:
-        ranks = {d: [r for r, x in enumerate(got) if x == d] for d in dict.fromkeys(got)}
-        raise DistributedError(f"the ranks hold different {what} (digests by rank: {ranks}); every rank must pass "
-                               f"the whole global batch: {fix}")
+    _agree(got, what, "digests", f"every rank must pass the whole global batch: {fix}")
+
+
+def _agree(held: list[Any], what: str, of: str, fix: str) -> None:
+    """Every rank raises, naming the ranks of each value, unless all ranks hold the same."""
+    if len(set(held)) != 1:
+        ranks = {h: [r for r, x in enumerate(held) if x == h] for h in dict.fromkeys(held)}
+        raise DistributedError(f"the ranks hold different {what} ({of} by rank: {ranks}); {fix}")
 
 
 def plan_on_rank0(rm: RankMesh, make: Callable[[], ShardingPlan]) -> ShardingPlan:
@@ -117,10 +121,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
         ok: tuple[bool, Any] = (True, mine)
     except PartirError as e:
         ok = (False, f"{type(e).__name__}: {e}")
-    held = _everyone(rm, "rebuilding the plan", *ok)
-    if len(set(held)) != 1:
-        ranks = {h: [r for r, x in enumerate(held) if x == h] for h in set(held)}
-        raise DistributedError(f"ranks hold different plans (plan, state digests by rank: {ranks}); every rank "
-                               "must capture the same model, inputs and loss (seed them alike)")
+    _agree(_everyone(rm, "rebuilding the plan", *ok), "plans", "plan, state digests",
+           "every rank must capture the same model, inputs and loss (seed them alike)")
     opt = engine.apply(model, optimizer, the_plan, state, rm, compile=compile)
     return model, opt
