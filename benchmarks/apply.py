@@ -43,7 +43,7 @@ def one(name: str, steps: int) -> dict:
     plan_s = time.perf_counter() - t
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     t = time.perf_counter()
-    model, sopt = partir_torch.auto_shard(model, inputs, MESH, loss_fn=loss_fn, optimizer=opt, plan=plan)
+    model, sopt = partir_torch.auto_shard(model, inputs, MESH, backend="xla", loss_fn=loss_fn, optimizer=opt, plan=plan)
     apply_s = time.perf_counter() - t
     from partir_torch.backends.xla import train_step
 

@@ -54,7 +54,7 @@ def build(tiny: bool) -> tuple[LitGPT, torch.utils.data.DataLoader]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--backend", choices=["xla", "torch"], default="xla")
+    ap.add_argument("--backend", choices=["torch", "xla"], default="torch")
     ap.add_argument("--checkpoint", default=None, help="a directory: Lightning checkpoints the sharded module there")
     args = ap.parse_args()
     model, loader = build(args.tiny)

@@ -1,7 +1,9 @@
-"""auto_shard a GPT of your own on the 8-device CPU mesh and train it with a plain loop.
+"""auto_shard a GPT of your own with torch_xla SPMD on the 8-device XLA CPU mesh and train it with a plain loop.
 
-    .venv/bin/python examples/quickstart.py            # a 4-layer GPT, 10 steps
-    .venv/bin/python examples/quickstart.py --tiny     # seconds (what the test runs)
+    .venv-xla/bin/python examples/quickstart.py            # a 4-layer GPT, 10 steps (the XLA environment)
+    .venv-xla/bin/python examples/quickstart.py --tiny     # seconds (what the test runs)
+
+On torch.distributed (the default backend) the README's quickstart and `examples/torchrun_gpt.py` do the same.
 
 The model is an ordinary `nn.Module` written here (not the zoo's); the optimizer is the user's own AdamW.
 """
@@ -65,7 +67,8 @@ def main() -> None:
     tokens, targets = data[:, :-1], data[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     # a per-device memory limit below what pure data parallelism needs: the plan must shard the weights
-    model, optimizer = partir_torch.auto_shard(model, (tokens, targets), mesh, loss_fn=lm_loss, optimizer=optimizer,
+    model, optimizer = partir_torch.auto_shard(model, (tokens, targets), mesh, backend="xla",
+                                               loss_fn=lm_loss, optimizer=optimizer,
                                                memory="400KiB" if args.tiny else "40MiB", budget=80)
     print(model.partir_plan.table())
     import torch_xla

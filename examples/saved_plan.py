@@ -1,7 +1,10 @@
 """Search once, save the plan, and train with it in a fresh process (no search there).
 
-    .venv/bin/python examples/saved_plan.py search plan.json [--tiny]   # process 1: search and save
-    .venv/bin/python examples/saved_plan.py train plan.json [--tiny]    # process 2: load, check, apply, train
+    .venv-xla/bin/python examples/saved_plan.py search plan.json [--tiny]   # process 1: search and save
+    .venv-xla/bin/python examples/saved_plan.py train plan.json [--tiny]    # process 2: load, check, apply, train
+
+(trained with torch_xla, in the XLA environment; on torch.distributed `auto_shard(..., plan="plan.json")` in
+every rank does the same: `examples/torchrun_gpt.py`)
 
 The plan file is JSON (`ShardingPlan.save`): the mesh, hardware, schedule, every spec needed to apply it and
 the content hash of the captured step; loading it against a model checks names, shapes and divisibility.
@@ -42,7 +45,7 @@ def main() -> None:
     torch.manual_seed(0)
     model, inputs, loss_fn = workload(args.tiny)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = partir_torch.auto_shard(model, inputs, mesh, loss_fn=loss_fn, optimizer=optimizer,
+    model, optimizer = partir_torch.auto_shard(model, inputs, mesh, backend="xla", loss_fn=loss_fn, optimizer=optimizer,
                                                plan=args.path)
     print(f"applied {args.path}:")
     print(model.partir_plan.table())

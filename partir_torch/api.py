@@ -52,21 +52,30 @@ BACKENDS = ("torch", "xla")
 
 
 def choose_backend(backend: str | None) -> str:
-    """`backend` checked, or the default: `torch` when a torch.distributed process group is (or torchrun's
-    environment says it will be) started, CUDA is present or torch_xla is absent; else `xla`."""
-    if backend is not None:
-        if backend not in BACKENDS:
-            raise PartirError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}: 'torch' "
-                              "runs the plan on torch.distributed (GPUs, CPUs, TorchTPU), 'xla' on torch_xla SPMD")
-        return backend
+    """`backend` checked, or the default: `torch` (torch.distributed, on every torch release partir_torch
+    supports). `xla` is asked for by name, and needs the XLA environment (torch 2.9.0 with torch_xla 2.9.0)."""
+    if backend is None:
+        return "torch"
+    if backend not in BACKENDS:
+        raise PartirError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}: 'torch' "
+                          "runs the plan on torch.distributed (GPUs, CPUs, TorchTPU), 'xla' on torch_xla SPMD")
+    if backend == "xla":
+        require_xla()
+    return backend
+
+
+XLA_INSTALL = ("torch_xla 2.9 (its last release) needs torch 2.9.0 on Python 3.11: from a checkout, `./dev setup "
+               "xla` makes that environment (.venv-xla); elsewhere, in a Python 3.11 environment, "
+               "`pip install 'partir_torch[xla]'`")
+
+
+def require_xla() -> None:
+    """The torch_xla backend's environment, or the command that makes it."""
     import importlib.util
 
-    import torch.distributed as dist
-
-    if (dist.is_available() and dist.is_initialized()) or "TORCHELASTIC_RUN_ID" in os.environ \
-            or torch.cuda.is_available() or importlib.util.find_spec("torch_xla") is None:
-        return "torch"
-    return "xla"
+    if importlib.util.find_spec("torch_xla") is None:
+        raise PartirError(f"backend='xla' needs torch_xla, which is not installed (torch {torch.__version__}). "
+                          f"{XLA_INSTALL}. The torch backend (backend='torch', the default) needs nothing more.")
 
 
 def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
@@ -83,8 +92,8 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     `seed`, `fallback`, `cache`, `assume_compiling`, ...; `options.py`) are `find_plan`'s; `plan` skips the
     search (a `ShardingPlan` or the path of a saved one).
 
-    `backend` (`choose_backend`): "torch" runs in every rank of a torch.distributed job (torchrun, or
-    `partir_torch.launch.spawn`): rank 0 plans, every rank checks it holds the same plan, parameters and
+    `backend` (`choose_backend`): "torch" (the default) runs in every rank of a torch.distributed job
+    (torchrun, or `partir_torch.launch.spawn`): rank 0 plans, every rank checks it holds the same plan, parameters and
     optimizer states become DTensors, and `partir_torch.step(model, optimizer, *batch)` runs a step
     (`compile=True`: through torch.compile). "xla" applies the plan with torch_xla SPMD in this process
     (the model is moved to the XLA device; the plain loop or `step` trains it). `partir_torch.unshard(model)`

@@ -24,8 +24,8 @@ import weakref
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from partir_torch import _compat
 from partir_torch.errors import PartirError
 from partir_torch.options import Options
 
@@ -170,7 +170,7 @@ class AutoShardStrategy(SingleDeviceStrategy):
         from partir_torch.backends import xla
 
         module = self.lightning_module
-        leaves, spec = pytree.tree_flatten(batch)
+        leaves, spec = _compat.pytree.tree_flatten(batch)
         tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         if not self._sharded:
             if module is None or not module.trainer.training:
@@ -179,7 +179,7 @@ class AutoShardStrategy(SingleDeviceStrategy):
         xs = xla.shard_batch(module, *(leaves[i] for i in tensors))
         for i, x in zip(tensors, xs):
             leaves[i] = x
-        return pytree.tree_unflatten(leaves, spec)
+        return _compat.pytree.tree_unflatten(leaves, spec)
 
     def _shard(self, module, leaves: list, spec, tensors: list[int]) -> None:
         from partir_torch.api import checked_plan
@@ -194,7 +194,7 @@ class AutoShardStrategy(SingleDeviceStrategy):
             full = list(leaves)
             for i, x in zip(tensors, xs):
                 full[i] = x
-            return _loss_of(model.training_step(pytree.tree_unflatten(full, spec), 0))
+            return _loss_of(model.training_step(_compat.pytree.tree_unflatten(full, spec), 0))
 
         example = [leaves[i] for i in tensors]
         options = self.options if self.options.hardware else Options.of(self.options, hardware=xla.hardware_preset())
@@ -219,7 +219,7 @@ class AutoShardStrategy(SingleDeviceStrategy):
                 for k, v in super().lightning_module_state_dict().items()}
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        return pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v,
+        return _compat.pytree.tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v,
                                super().optimizer_state(optimizer))
 
     def teardown(self) -> None:
@@ -265,7 +265,7 @@ class TorchAutoShardStrategy(DDPStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         module = self.lightning_module
         if not self._sharded and module is not None and module.trainer.training:
-            leaves, spec = pytree.tree_flatten(batch)
+            leaves, spec = _compat.pytree.tree_flatten(batch)
             self._shard(module, leaves, spec, [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)])
         return batch
 
@@ -281,7 +281,7 @@ class TorchAutoShardStrategy(DDPStrategy):
             full = list(leaves)
             for i, x in zip(tensors, xs):
                 full[i] = x
-            return _loss_of(model.training_step(pytree.tree_unflatten(full, spec), 0))
+            return _loss_of(model.training_step(_compat.pytree.tree_unflatten(full, spec), 0))
 
         shard.same_batch([leaves[i] for i in tensors], "first training batch",
                          "keep Lightning's distributed sampler (`use_distributed_sampler=True`, one seed on every "
@@ -298,7 +298,7 @@ class TorchAutoShardStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         from partir_torch.backends.distributed import engine
 
-        leaves, _ = pytree.tree_flatten(args[0])
+        leaves, _ = _compat.pytree.tree_flatten(args[0])
         module = self.lightning_module
         loss = engine.step(module, self.optimizers[0], *(leaves[i] for i in self._tensors))
         module.log("loss", loss, prog_bar=True)  # (the module's own training_step, and its logging, ran at capture)

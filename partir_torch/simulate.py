@@ -55,6 +55,7 @@ class SimResult:
     replica_mismatch: float
     collectives: list[Collective]
     executed: dict[str, int] = field(default_factory=dict)  # collective kind -> times emulated
+    rel_diffs: dict[str, float] = field(default_factory=dict)  # per output: diff / max(1, max |reference|)
 
 
 def region(mesh: Mesh, sh: Sharding, shape: tuple[int, ...], c: dict[str, int]) -> tuple[slice | torch.Tensor, ...]:
@@ -204,7 +205,7 @@ def simulate(
             layout[v] = state.shard[v]
 
     diffs: dict[str, float] = {}
-    rel = 0.0
+    rels: dict[str, float] = {}
     for vid in program.outputs:
         val = program.values[vid]
         g, mm = m.gather(env[vid], layout[vid], val.shape, val.dtype)
@@ -213,8 +214,9 @@ def simulate(
         diffs[val.name] = (g.double() - r.double()).abs().max().item() if r.numel() and r.is_floating_point() else (
             float((g != r).any().item()))
         scale = max(1.0, r.double().abs().max().item()) if r.numel() and r.is_floating_point() else 1.0
-        rel = max(rel, diffs[val.name] / scale)
-    return SimResult(max(diffs.values(), default=0.0), diffs, rel, mismatch, lower(state), executed)
+        rels[val.name] = diffs[val.name] / scale
+    return SimResult(max(diffs.values(), default=0.0), diffs, max(rels.values(), default=0.0), mismatch,
+                     lower(state), executed, rels)
 
 
 def local_args(op, args: tuple, kwargs: dict, state: ShardingState) -> tuple[tuple, dict]:
@@ -302,6 +304,15 @@ def _local_groups(state: ShardingState, o: int, w: int, groups: int) -> int:
 
 TOLERANCE = 1e-5  # max relative difference, fp32, sharded vs unsharded, that is read as exact
 FP64_TOLERANCE = 1e-9  # the same in fp64, when fp32 rounding alone exceeds TOLERANCE
+# Sums taken in another order round differently: the relative difference a sharded output of each dtype may
+# show from rounding alone (bf16 keeps 8 significant bits, eps 7.8e-3; fp16 11, eps 9.8e-4). Beyond it the
+# plan is wrong; within it, the float64 re-run tells rounding from a wrong plan.
+ROUNDING = {torch.float64: FP64_TOLERANCE, torch.float32: TOLERANCE, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def rounding(dtype: torch.dtype) -> float:
+    """The relative difference rounding alone explains in a step computing in `dtype`."""
+    return ROUNDING.get(dtype, 0.0)
 
 
 def simulate_fp64(state, model, inputs: Sequence[torch.Tensor], loss_fn, optimizer, opt_states, *,
@@ -312,11 +323,13 @@ def simulate_fp64(state, model, inputs: Sequence[torch.Tensor], loss_fn, optimiz
     import copy
 
     from partir_torch.capture import capture
+    from partir_torch.capture.precision import all_float64
     from partir_torch.tactics.schedule import replay
 
     m64 = copy.deepcopy(model).double()
     in64 = tuple(x.double() if x.is_floating_point() else x for x in inputs)
-    p64 = capture(m64, in64, loss_fn, optimizer, **capture_options)
+    with all_float64():  # the model's own casts (`x.float()`, `.to(torch.bfloat16)`) too
+        p64 = capture(m64, in64, loss_fn, optimizer, **capture_options)
     st64 = replay(p64, state.mesh, list(state.actions), fallback=state.analysis.fallback)
     same = [(n, st64.shard[v]) for n, v in st64.program.params.items()]
     if same != [(n, state.shard[v]) for n, v in state.program.params.items()]:

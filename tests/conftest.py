@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from tests import needs
 
 
 class Block(nn.Module):
@@ -65,3 +69,24 @@ def pytest_configure(config) -> None:
         from partir_torch.backends.xla import start_runtime
 
         start_runtime(8)
+
+
+def pytest_runtest_setup(item) -> None:
+    """A test marked `xla` needs torch_xla (the XLA environment): skipped without it, or failed under CI
+    (`CI=true`), where a missing package means a broken set-up, not a test to leave out."""
+    if item.get_closest_marker("xla") is not None:
+        needs.need("torch_xla")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """One line: which environment ran how many tests (`./dev test` runs two)."""
+    import importlib.util
+
+    stats = terminalreporter.stats
+    counts = {k: len([r for r in stats.get(k, []) if getattr(r, "when", "call") in ("call", "setup")])
+              for k in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")}
+    xla = "torch_xla " + importlib.metadata.version("torch_xla") if importlib.util.find_spec("torch_xla") else \
+        "no torch_xla"
+    ran = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+    terminalreporter.write_line(f"environment: Python {sys.version.split()[0]}, torch {torch.__version__}, {xla}: "
+                                f"{ran or 'no tests'}")

@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "partir_torch"
 
 # lowest first; a unit may import units of its own layer or of a lower one (docs/architecture.md)
 LAYERS: list[set[str]] = [
-    {"errors", "ir", "models", "cache"},  # the IR every stage reads; the model zoo (torch only); the plan cache
+    {"errors", "ir", "models", "cache", "_compat"},  # the IR; the zoo; the plan cache; torch's private names
     {"capture", "workload"},
     {"rules"},
     {"propagate"},  # the analysis of a program on a mesh, the sharding state, the ZeRO action's fences

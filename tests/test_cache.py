@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from partir_torch import cache
 from partir_torch.capture import capture
@@ -111,6 +112,51 @@ def test_every_key_ingredient_changes_the_key(tiny, monkeypatch):
     assert len(set(variants.values())) == len(variants)
     monkeypatch.setattr(cache, "version", lambda: {"partir_torch": "another source tree"})
     assert _key(program) != base, "the project's version does not change the key"
+
+
+class _Mlp(torch.nn.Module):
+    """Two linears with an activation: variants differ in one op or one scalar, never in a shape."""
+
+    def __init__(self, act: torch.nn.Module, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.up, self.act, self.down = torch.nn.Linear(8, 16, dtype=dtype), act, torch.nn.Linear(16, 8, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+def _mse(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _l1(model, x, y):
+    return torch.nn.functional.l1_loss(model(x), y)
+
+
+def test_programs_of_equal_shapes_that_compute_differently_have_other_keys():
+    """The key reads what the step computes, not only its shapes: a plan cached for one of these is never
+    served to another (a cache hit returns the stored plan without replaying it)."""
+
+    def key(act=None, loss=_mse, opt=None, dtype=torch.float32):
+        torch.manual_seed(0)
+        model = _Mlp(act if act is not None else torch.nn.LeakyReLU(0.1), dtype)
+        x, y = torch.randn(4, 8, dtype=dtype), torch.randn(4, 8, dtype=dtype)
+        optimizer = opt(model) if opt else torch.optim.AdamW(model.parameters(), weight_decay=0.01)
+        return _key(capture(model, (x, y), loss, optimizer))
+
+    base = key()
+    assert key() == base, "the same model, loss and optimizer must hit"
+    variants = {
+        "an op's scalar argument": key(act=torch.nn.LeakyReLU(0.2)),
+        "one op for another": key(act=torch.nn.GELU()),
+        "another loss": key(loss=_l1),
+        "an optimizer hyperparameter the step reads": key(
+            opt=lambda m: torch.optim.AdamW(m.parameters(), weight_decay=0.02)),
+        "another optimizer": key(opt=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)),
+        "another dtype": key(dtype=torch.float64),
+    }
+    same = [k for k, v in variants.items() if v == base]
+    assert not same, f"these do not change the key: {same}"
 
 
 def test_the_version_hashes_the_package_sources():

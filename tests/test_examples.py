@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-needs_xla = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
@@ -24,7 +22,7 @@ def _run(*args: str, stderr: list[str] | None = None) -> str:
     return res.stdout
 
 
-@needs_xla
+@pytest.mark.xla
 def test_quickstart_shards_the_weights_and_trains():
     """... and says once that XLA's GSPMD is deprecated, instead of XLA's line at every compile."""
     err: list[str] = []
@@ -36,7 +34,7 @@ def test_quickstart_shards_the_weights_and_trains():
     assert len(losses) == 3 and losses[-1] < losses[0]
 
 
-@needs_xla
+@pytest.mark.xla
 def test_saved_plan_is_searched_in_one_process_and_applied_in_another(tmp_path):
     path = str(tmp_path / "plan.json")
     searched = _run(str(EXAMPLES / "saved_plan.py"), "search", path, "--tiny")
@@ -65,10 +63,10 @@ def _final_loss(out: str) -> float:
     return float(next(x for x in out.splitlines() if x.startswith("final loss")).split()[-1])
 
 
-@needs_xla
+@pytest.mark.xla
 def test_lightning_example_trains_with_the_strategy(one_device_loss):
     """... to the loss the module reaches unsharded on one device."""
-    out = _run(str(EXAMPLES / "lightning_gpt.py"), "--tiny")
+    out = _run(str(EXAMPLES / "lightning_gpt.py"), "--tiny", "--backend", "xla")
     assert "the applied plan's sharded parameters:" in out
     assert any(line.startswith("  net.") for line in out.split("sharded parameters:")[1].splitlines())
     assert _final_loss(out) == pytest.approx(one_device_loss, rel=1e-5)

@@ -3,16 +3,12 @@ unsharded losses and parameters, and gets its own parameters back at teardown.""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("torch_xla") is None or importlib.util.find_spec("pytorch_lightning") is None,
-    reason="needs torch_xla and pytorch-lightning")
+pytestmark = pytest.mark.xla
 
 
 def _module():
@@ -68,7 +64,7 @@ def test_autoshardstrategy_trains_a_lightning_module_like_unsharded():
     ref.load_state_dict(model.state_dict())
     own = dict(model.named_parameters())
     loader = torch.utils.data.DataLoader(_Dicts(32), batch_size=8)
-    strategy = AutoShardStrategy({"batch": 2, "model": 4}, memory="64KiB", budget=60)
+    strategy = AutoShardStrategy({"batch": 2, "model": 4}, memory="64KiB", budget=60, backend="xla")
     trainer = pl.Trainer(strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader)

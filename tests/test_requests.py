@@ -118,14 +118,6 @@ def test_config_values_reach_a_factory_typed(tmp_path):
         load(f"{f}:make", {"depth": "2"})
 
 
-def test_bf16_simulate_runs(capsys):
-    argv = ["simulate", "tiny-llama", "--config", "dtype=bfloat16", "--mesh", "batch=2,model=2", "--schedule",
-            "batch:BatchParallel;model:Megatron", "--json"]
-    assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["max_abs_diff_by_kind"]["loss"] < 1e-2  # bf16 rounding of reassociated sums
-
-
 def test_cli_plan_fallback(tmp_path, capsys):
     f = tmp_path / "odd.py"
     f.write_text(

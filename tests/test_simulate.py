@@ -10,6 +10,7 @@ from partir_torch.capture import capture
 from partir_torch.ir import Mesh, Tile
 from partir_torch.simulate import simulate
 from partir_torch.tactics import apply_schedule
+from tests import needs
 from tests.plans import random_plan
 
 ZOO = ["tiny-mlp", "tiny-gpt2", "tiny-llama", "tiny-unet", "tiny-gns", "tiny-moe", "tiny-vit"]
@@ -68,7 +69,7 @@ def test_fused_qkv_chunks_are_simulated():
 def test_vocab_parallel_embeddings_of_transformers_models_match_unsharded(name):
     """A users' model's token table tiled on its rows (HF GPT-2's tied `wte`, T5's `shared` read by encoder,
     decoder and LM head): each lookup is a masked lookup summed over the row axis, and the step is exact."""
-    pytest.importorskip("transformers")
+    needs.need("transformers")
     from benchmarks.workloads.thirdparty import BUILDERS
     from partir_torch.propagate import ShardingState
     from partir_torch.rules.decompose import prepare

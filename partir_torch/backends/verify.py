@@ -49,6 +49,7 @@ class VerifyReport:
     # per (kind, mesh axes): {"kind", "axes", "predicted", "measured"} bytes per device, XLA CPU's form; the
     # prediction before fusion (a gather over two axes is a row per axis; XLA's is one row over both)
     by_axis: list[dict[str, Any]] = field(default_factory=list)
+    engine: str = "xla"  # which engine measured: "xla" (its compiled HLO) or "torch" (the rank program)
 
     def ratio(self, kind: str) -> float | None:
         """measured / predicted bytes of one kind (None when both are zero)."""
@@ -69,8 +70,10 @@ class VerifyReport:
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title=f"verify: the plan on {self.mesh} as XLA compiled it (bytes per device; XLA CPU's form)")
-        for c in ("", "predicted", "measured (XLA)", "measured / predicted"):
+        how, col = (("as XLA compiled it (bytes per device; XLA CPU's form)", "measured (XLA)") if self.engine == "xla"
+                    else ("as the torch backend's rank program ran it (bytes per device)", "measured (rank)"))
+        t = Table(title=f"verify: the plan on {self.mesh} {how}")
+        for c in ("", "predicted", col, "measured / predicted"):
             t.add_column(c, justify="right" if c else "left")
         kinds = sorted(set(self.predicted["comm_bytes"]) | set(self.measured["comm_bytes"]))
         for k in kinds:

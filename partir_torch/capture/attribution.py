@@ -15,8 +15,9 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+
+from partir_torch import _compat
 
 
 class ForwardArgs:
@@ -87,7 +88,7 @@ class ModuleTracker:
 def returns_tensor(out: Any) -> bool:
     """Whether a torch-function call made a tensor: calls that return none (`.shape`, `.dim()`, `.item()`)
     are not counted, so a backend's own reads of shapes do not shift the count."""
-    return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
+    return any(isinstance(t, torch.Tensor) for t in _compat.pytree.tree_leaves(out))
 
 
 def counted(func: Any, out: Any) -> bool:
@@ -96,7 +97,7 @@ def counted(func: Any, out: Any) -> bool:
     some code's ops through torch functions as operators that eagerly run unseen (a `@torch.jit.script`
     function's, HF DeBERTa-v2's scale; torch's own on the autograd path): counted at capture only, they
     would shift every later call of the module on the engine."""
-    return returns_tensor(out) and not isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
+    return returns_tensor(out) and not isinstance(func, _compat.OpOverload | _compat.OpOverloadPacket)
 
 
 class Constants:
@@ -116,10 +117,10 @@ class Constants:
 
     def constant(self, args: tuple, kwargs: dict[str, Any] | None) -> bool:
         """Whether a call on these arguments is a constant one (every tensor among them a constant)."""
-        return all(self._known(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        return all(self._known(t) for t in _compat.pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
     def add(self, out: Any) -> None:
-        for t in pytree.tree_leaves(out):
+        for t in _compat.pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.refs[id(t)] = weakref.ref(t, functools.partial(self._drop, id(t)))
 

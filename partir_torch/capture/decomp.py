@@ -85,7 +85,17 @@ def bn_backward(grad, x, weight, running_mean, running_var, save_mean, save_invs
     return (gx if output_mask[0] else None, gw if output_mask[1] else None, gb if output_mask[2] else None)
 
 
+def bn_native(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """`native_batch_norm`, which `batch_norm` reaches directly on newer torch (2.9 went through `_legit`)."""
+    if not training:
+        return bn_no_training(x, weight, bias, running_mean, running_var, momentum, eps)
+    if running_mean is None:
+        return bn_legit_no_stats(x, weight, bias, training, momentum, eps)
+    return bn_legit(x, weight, bias, running_mean, running_var, training, momentum, eps)
+
+
 FUNCTIONAL_DECOMPS = {
+    aten.native_batch_norm.default: bn_native,
     aten._native_batch_norm_legit.default: bn_legit,
     aten._native_batch_norm_legit.no_stats: bn_legit_no_stats,
     aten._native_batch_norm_legit_no_training.default: bn_no_training,

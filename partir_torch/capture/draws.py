@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch._prims_common import is_non_overlapping_and_dense
 from torch.overrides import TorchFunctionMode
 
+from partir_torch import _compat
 from partir_torch.capture.explain import user_frame
 
 _COMPARE = {"lt", "le", "gt", "ge", "less", "less_equal", "greater", "greater_equal",
@@ -90,7 +90,7 @@ _LIKE = frozenset({aten.rand_like.default, aten.randn_like.default, aten.randint
 
 def _memory_order(t: Any) -> list[int] | None:
     """The dims of `t` from outermost to innermost in memory, where that is not row-major (else None)."""
-    if not isinstance(t, torch.Tensor) or t.dim() < 2 or not is_non_overlapping_and_dense(t):
+    if not isinstance(t, torch.Tensor) or t.dim() < 2 or not _compat.is_non_overlapping_and_dense(t):
         return None
     order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
     return None if order == list(range(t.dim())) else order

@@ -7,6 +7,7 @@ import traceback
 import torch
 import torch.nn as nn
 
+from partir_torch import _compat
 from partir_torch.capture.attribution import ModuleTracker
 from partir_torch.capture.convert import OUR_DIR, TORCH_DIR
 from partir_torch.errors import CaptureError, InputShapeError
@@ -14,11 +15,9 @@ from partir_torch.errors import CaptureError, InputShapeError
 
 def data_dependent(e: Exception) -> bool:
     """A value read (`.item()`, a branch on a tensor) or an op whose output shape depends on values (`nonzero`)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
     text = str(e)
-    return (isinstance(e, DataDependentOutputException | DynamicOutputShapeException) or "data-dependent" in text
-            or "data dependent" in text)
+    return (isinstance(e, _compat.DataDependentOutputException | _compat.DynamicOutputShapeException)
+            or "data-dependent" in text or "data dependent" in text)
 
 
 def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
@@ -43,8 +42,6 @@ def explain(e: Exception, tracker: ModuleTracker, inputs: tuple[torch.Tensor, ..
     frame = _user_frame(e)
     where = f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else ""
     text = str(e)
-    from torch._subclasses.fake_tensor import UnsupportedOperatorException
-
     if data_dependent(e):
         return CompiledPathError(
             f"the model has data-dependent Python control flow or reads a tensor's value{where}: capture traces "
@@ -52,7 +49,7 @@ def explain(e: Exception, tracker: ModuleTracker, inputs: tuple[torch.Tensor, ..
             f"torch.where / masking, or make it depend on shapes only.{_compile_hint(frame)}{_opaque_hint(tracker)} "
             f"(torch said: {msg})"
         )
-    if isinstance(e, UnsupportedOperatorException):
+    if isinstance(e, _compat.UnsupportedOperatorException):
         return CaptureError(
             f"operator {e.func} has no shape (meta/fake) implementation, so it cannot be captured{where}. Use a "
             "standard op instead, or register a fake implementation with torch.library.register_fake."

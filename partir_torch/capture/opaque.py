@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
+from partir_torch import _compat
 from partir_torch.errors import CaptureError
 
 NAMESPACE = "partir_opaque"
@@ -55,11 +55,11 @@ class OpaqueCall:
     module: nn.Module
     forward: Callable[..., Any]  # the module's own forward
     state_names: tuple[str, ...]  # parameters and buffers, the op's last arguments
-    in_spec: pytree.TreeSpec  # of (args, kwargs)
+    in_spec: _compat.pytree.TreeSpec  # of (args, kwargs)
     consts: tuple[Any, ...]  # the call's pytree leaves, `TENSOR` where a tensor goes
     seed: int
     name: str = ""
-    out_spec: pytree.TreeSpec | None = None
+    out_spec: _compat.pytree.TreeSpec | None = None
     out_consts: tuple[Any, ...] = ()
     shapes: dict[tuple, list[tuple[tuple[int, ...], torch.dtype]]] = field(default_factory=dict)
     real_state: dict[str, torch.Tensor] = field(default_factory=dict)  # the module's own weights (not meta)
@@ -72,16 +72,16 @@ class OpaqueCall:
         return f"{NAMESPACE}.{self.name}.default"
 
     # -- running the module for real --------------------------------------------------------------------
-    def run(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], pytree.TreeSpec, tuple[Any, ...]]:
+    def run(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], _compat.pytree.TreeSpec, tuple[Any, ...]]:
         n = len(xs) - len(self.state_names)
         it = iter(xs[:n])
         leaves = [next(it) if c is TENSOR else c for c in self.consts]
-        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
+        args, kwargs = _compat.pytree.tree_unflatten(leaves, self.in_spec)
         with torch.random.fork_rng(devices=[]), \
                 _reparametrize_module(self.module, dict(zip(self.state_names, xs[n:])), tie_weights=True):
             torch.manual_seed(self.seed)
             out = self.forward(*args, **kwargs)
-        leaves, spec = pytree.tree_flatten(out)
+        leaves, spec = _compat.pytree.tree_flatten(out)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         consts = tuple(TENSOR if isinstance(t, torch.Tensor) else t for t in leaves)
         return tensors, spec, consts
@@ -233,7 +233,7 @@ class OpaqueModules:
         names = tuple(n for n, _ in itertools.chain(mod.named_parameters(), mod.named_buffers()))
 
         def opaque_forward(*args: Any, **kwargs: Any) -> Any:
-            leaves, spec = pytree.tree_flatten((args, kwargs))
+            leaves, spec = _compat.pytree.tree_flatten((args, kwargs))
             consts = tuple(TENSOR if isinstance(t, torch.Tensor) else t for t in leaves)
             key = (path, spec, repr([c if c is not TENSOR else "<tensor>" for c in consts]))
             call = self.calls.get(key)
@@ -248,7 +248,8 @@ class OpaqueModules:
             outs = call.op([t for t in leaves if isinstance(t, torch.Tensor)] + [state[n] for n in names])
             it = iter(outs)
             assert call.out_spec is not None  # set by the fake implementation's probe
-            return pytree.tree_unflatten([next(it) if c is TENSOR else c for c in call.out_consts], call.out_spec)
+            return _compat.pytree.tree_unflatten([next(it) if c is TENSOR else c for c in call.out_consts],
+                                                 call.out_spec)
 
         return opaque_forward
 

@@ -22,11 +22,10 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
+from partir_torch import _compat
 from partir_torch.capture.attribution import CallTracker, ForwardArgs, ModuleTracker, tag_backward
 from partir_torch.capture.checks import check_dtypes, check_functional
 from partir_torch.capture.convert import to_program
@@ -146,7 +145,8 @@ def capture(
         p = params[n]
         flat_meta += [(shapes[n][s], p.dtype) for s in states[n]]
     flat_meta += [(tuple(x.shape), x.dtype) for x in inputs]
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # tensor constants in the model become graph constants
+    # tensor constants in the model become graph constants
+    fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         fakes = [torch.empty(shape, dtype=dtype) for shape, dtype in flat_meta]
 
@@ -169,7 +169,7 @@ def capture(
             with _reparametrize_module(model, {**p_vals, **b_vals}, tie_weights=True), \
                     ForwardArgs(model, xs, input_args):
                 out = model(*xs)
-            leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            leaves = [t for t in _compat.pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             if not leaves:
                 raise CaptureError("the model returned no tensor")
             return leaves
@@ -206,7 +206,7 @@ def capture(
             new_states += [new_s[s] for s in states[n]]
         return [loss, *(grads[n] for n in trainable), *new_params, *new_states]
 
-    mkldnn = torch._C._get_mkldnn_enabled()
+    mkldnn = torch.backends.mkldnn.enabled
     # a library may re-tie or re-assign parameters inside forward (HF T5's shared embedding): every
     # parameter and buffer object is put back afterwards, so the model is left exactly as it was
     saved = [(mod, kind, n, obj) for mod in model.modules() for kind in ("_parameters", "_buffers")
@@ -219,7 +219,7 @@ def capture(
         try:
             # mkldnn off: CPU dispatch would pick `mkldnn_rnn_layer` for nn.LSTM/GRU; the portable composite
             # (linear + pointwise per time step) is what other devices run and what the rules cover
-            torch._C._set_mkldnn_enabled(False)
+            torch.backends.mkldnn.enabled = False
             by_autograd = bool(opaque) or old_function  # (read by `step`, as aot_autograd differentiates)
             draws = ScalarDraws()  # (a draw is a constant: `Constants` numbers none of its calls)
             with ModelState(model), fx_traceback.preserve_node_meta(), tracker, draws, Rewrites(), \
@@ -243,7 +243,7 @@ def capture(
             opaque = [p for p in opaque if not p.startswith(f"{path}.") and p != path] + [path]
             tracker.failed_in, tracker.failed_stack = None, []
         finally:
-            torch._C._set_mkldnn_enabled(mkldnn)
+            torch.backends.mkldnn.enabled = mkldnn
             for mod, kind, n, obj in saved:
                 getattr(mod, kind)[n] = obj
     check_functional(gm)
@@ -332,22 +332,22 @@ def _opaque_candidate(e: Exception, tracker: ModuleTracker, opaque: list[str]) -
 def _functionalize_autograd(fn: Callable[..., list[torch.Tensor]]) -> Callable[..., list[torch.Tensor]]:
     """`torch.func.functionalize(fn, remove="mutations")` by `FunctionalTensorMode`, which (unlike functorch's
     transform) lets autograd run through custom ops; inputs `fn` wrote are copied back at the end."""
-    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    FunctionalTensor, FunctionalTensorMode = _compat.FunctionalTensor, _compat.FunctionalTensorMode
 
     def inner(*args: torch.Tensor) -> list[torch.Tensor]:
         keys = torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
-        with torch._C._ExcludeDispatchKeyGuard(keys), FunctionalTensorMode():
+        with _compat.ExcludeDispatchKeyGuard(keys), FunctionalTensorMode():
             fargs = [FunctionalTensor.to_functional(a) for a in args]
             outs = fn(*fargs)
 
             def plain(t: Any) -> Any:
                 if not isinstance(t, FunctionalTensor):
                     return t
-                torch._sync(t)
-                return torch._from_functional_tensor(t.elem)
+                _compat.sync(t)
+                return _compat.from_functional_tensor(t.elem)
 
             outs = [plain(o) for o in outs]
-            written = [(a, plain(f)) for a, f in zip(args, fargs) if torch._functionalize_has_data_mutation(f.elem)]
+            written = [(a, plain(f)) for a, f in zip(args, fargs) if _compat.functionalize_has_data_mutation(f.elem)]
         for a, new in written:
             a.copy_(new)
         return outs

@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--out", default=".", help="the directory of the PNGs (default: here)")
     sh.set_defaults(fn=cmd_show)
 
-    tr = sub.add_parser("train", help="auto-shard a model with torch_xla in this process, train a few steps on its "
-                                      "example batch, and verify the compiled step against the plan")
+    tr = sub.add_parser("train", help="auto-shard a model, train a few steps on its example batch, and verify the "
+                                      "step against the plan (torch backend: --nproc ranks; or torch_xla)")
     tr.add_argument("model")
     tr.add_argument("--config", action="append", metavar="KEY=VALUE")
     tr.add_argument("--mesh", required=True, help="e.g. batch=2,model=4")
@@ -87,7 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--steps", type=int, default=5)
-    tr.add_argument("--verify", action="store_true", help="compile the step with the HLO dump and compare")
+    tr.add_argument("--backend", choices=("torch", "xla"), default="torch",
+                    help="torch: one rank a device on torch.distributed (gloo on the CPU, NCCL on GPUs); xla: "
+                         "torch_xla SPMD in this process (the XLA environment)")
+    tr.add_argument("--nproc", type=int, default=None,
+                    help="torch backend: ranks to start here (default: the mesh's device count); under torchrun "
+                         "its ranks are used")
+    tr.add_argument("--verify", action="store_true",
+                    help="compare the step's collectives and memory with the plan's prediction")
     tr.add_argument("--numerics", action="store_true", help="with --verify: also compare with unsharded")
     add_flags(tr)
     tr.set_defaults(fn=cmd_train)

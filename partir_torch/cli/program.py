@@ -126,7 +126,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from partir_torch.lower import summarize
     from partir_torch.plan import ShardingPlan, specs
     from partir_torch.search import Budget, SearchConfig
-    from partir_torch.simulate import FP64_TOLERANCE, TOLERANCE, simulate, simulate_fp64
+    from partir_torch.simulate import FP64_TOLERANCE, TOLERANCE, rounding, simulate, simulate_fp64
     from partir_torch.tactics import apply_schedule
 
     Budget.parse(args.budget)  # a bad budget is reported before the capture
@@ -157,13 +157,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     states = {n: spec.example_states(n, p, g) for n, p in params.items() if n in spec.hparams}
     program = state.program  # ops without rules may have been decomposed
     res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
-    groups = {"loss": [], "gradients": [], "parameters": [], "optimizer_state": [], "buffers": []}
-    for name, d in res.diffs.items():
+    groups: dict[str, list[str]] = {"loss": [], "gradients": [], "parameters": [], "optimizer_state": [],
+                                    "buffers": []}
+    for name in res.diffs:
         key = ("loss" if name == "loss" else "gradients" if name.startswith("grad[") else
                "optimizer_state" if name.startswith("updated.opt.") else
                "parameters" if name.removeprefix("updated[").removesuffix("]") in program.params else "buffers")
-        groups[key].append(d)
-    by_kind = {k: max(v) for k, v in groups.items() if v}
+        groups[key].append(name)
+    groups = {k: v for k, v in groups.items() if v}
+    by_kind = {k: max(res.diffs[n] for n in v) for k, v in groups.items()}
+    rel_by_kind = {k: max(res.rel_diffs[n] for n in v) for k, v in groups.items()}
+    # what rounding alone explains: the least precise dtype the step computes in (a float32 loss of bf16
+    # logits rounds as bf16); the float64 re-run decides exactness
+    bound = max(rounding(v.dtype) for v in program.values if v.dtype.is_floating_point)
     fp64 = None  # where fp32 rounding exceeds the tolerance: the same plan on the step captured in fp64
     exact = res.max_rel_diff <= TOLERANCE and res.replica_mismatch <= TOLERANCE
     if not exact:
@@ -173,7 +179,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     out = {
         "model": args.model, "mesh": dict(mesh.axes), "schedule": args.schedule, "exact": exact,
         "max_rel_diff": res.max_rel_diff, "fp64_rel_diff": fp64, "tolerance": TOLERANCE,
-        "max_abs_diff": res.max_abs_diff, "max_abs_diff_by_kind": by_kind, "replica_mismatch": res.replica_mismatch,
+        "max_abs_diff": res.max_abs_diff, "max_abs_diff_by_kind": by_kind, "rel_diff_by_kind": rel_by_kind,
+        "rounding": bound, "replica_mismatch": res.replica_mismatch,
         "conflicts": [c.describe(program) for c in state.conflicts],
         "collectives": [c.to_json(state) for c in res.collectives],
         "comm_bytes": summarize(res.collectives), "executed": res.executed,

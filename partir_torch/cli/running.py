@@ -5,14 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
 
 from partir_torch.cli.planning import parse_mesh
 from partir_torch.errors import PartirError
 from partir_torch.options import from_args
-
-if TYPE_CHECKING:
-    pass
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -42,51 +38,77 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """Plan, train and verify on the torch backend (`--nproc` ranks started here, or this torchrun job's) or
+    on torch_xla SPMD in this process (`--backend xla`)."""
+    from partir_torch.ir.mesh import check_devices
+
+    mesh, _ = parse_mesh(args.mesh)
+    check_devices(mesh, from_args(args).devices)
+    if args.backend == "xla":
+        import partir_torch
+        from partir_torch.api import require_xla
+
+        require_xla()
+        partir_torch.start_runtime(args.mesh)  # before any backward of this process (see api.start_runtime)
+        _train(0, 1, args)
+        return 0
+    import os
+
+    import torch.distributed as dist
+
+    if (dist.is_available() and dist.is_initialized()) or "TORCHELASTIC_RUN_ID" in os.environ:
+        _train(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), args)  # torchrun's ranks
+        return 0
+    nproc = args.nproc or mesh.devices
+    if nproc != mesh.devices:
+        raise PartirError(f"--nproc {nproc} ranks cannot hold the mesh {mesh} of {mesh.devices} devices: the torch "
+                          f"backend runs one rank a device (--nproc {mesh.devices}, or another --mesh)")
+    from partir_torch import launch
+
+    print(f"starting {nproc} ranks (torch backend; gloo on the CPU, NCCL on GPUs)", flush=True)
+    launch.spawn(_train, nproc, args)
+    return 0
+
+
+def _train(rank: int, world: int, args: argparse.Namespace) -> None:
+    """One rank's job (the only one on XLA): rank 0 prints."""
     import time
 
     import torch
 
     import partir_torch
     from partir_torch import workload
-    from partir_torch.ir.mesh import check_devices
-
-    mesh, _ = parse_mesh(args.mesh)
-    opts = from_args(args)
-    check_devices(mesh, opts.devices)
-    partir_torch.start_runtime(args.mesh)  # before any backward of this process (see api.start_runtime)
-    torch.manual_seed(args.seed)
-    overrides = workload.parse_overrides(args.config)
-    model, inputs, loss_fn = workload.load(args.model, overrides, device="cpu")
-    params = sum(p.numel() for p in model.parameters())
-    print(f"{args.model}: {params / 1e6:.2f}M parameters, step inputs {[list(x.shape) for x in inputs]}, "
-          f"mesh {mesh}" + (f", memory limit {args.memory}" if args.memory else ""))
     from partir_torch.capture.optim import CLASSES
 
+    say = print if rank == 0 else (lambda *a, **k: None)
+    torch.manual_seed(args.seed)  # every rank builds the same model
+    model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config), device="cpu")
+    params = sum(p.numel() for p in model.parameters())
+    say(f"{args.model}: {params / 1e6:.2f}M parameters, step inputs {[list(x.shape) for x in inputs]}, "
+        f"mesh {args.mesh}" + (f", memory limit {args.memory}" if args.memory else "") + f", {args.backend} backend")
     cls = CLASSES[args.optimizer]
     optimizer = cls(model.parameters(), lr=args.lr, **({"momentum": 0.9} if args.optimizer == "sgd" else {}))
     t0 = time.perf_counter()
     model, opt = partir_torch.auto_shard(model, inputs, args.mesh, loss_fn=loss_fn, optimizer=optimizer,
-                                         options=opts, plan=args.plan, backend="xla")
+                                         options=from_args(args), plan=args.plan, backend=args.backend)
     plan = model.partir_plan
-    print(plan.table())
+    say(plan.table())
     if plan.search:
-        print(f"search: {plan.search['episodes']} episodes in {plan.search['time_s']:.1f} s; auto_shard took "
-              f"{time.perf_counter() - t0:.1f} s in all")
-    if args.out:
+        say(f"search: {plan.search['episodes']} episodes in {plan.search['time_s']:.1f} s; auto_shard took "
+            f"{time.perf_counter() - t0:.1f} s in all")
+    if args.out and rank == 0:
         plan.save(args.out)
-        print(f"plan saved to {args.out}")
-    from partir_torch.backends.xla import train_step
-
+        say(f"plan saved to {args.out}")
     for step in range(args.steps):
         t = time.perf_counter()
-        loss = train_step(model, opt, loss_fn, inputs)
-        print(f"step {step}: loss {float(loss.detach()):.4f} ({time.perf_counter() - t:.2f} s"
-              + (", compiling" if step == 0 else "") + ")")
+        loss = partir_torch.step(model, opt, *inputs)
+        say(f"step {step}: loss {float(loss.detach()):.4f} ({time.perf_counter() - t:.2f} s"
+            + (", compiling" if step == 0 and args.backend == "xla" else "") + ")", flush=True)
     if args.verify:
-        report = partir_torch.verify(model, inputs, numerics=args.numerics, steps=max(1, min(args.steps, 3)))
-        print(report.table())
-    return 0
-
+        steps = max(1, min(args.steps, 3))
+        report = (partir_torch.verify(model, inputs, numerics=args.numerics, steps=steps) if args.backend == "xla"
+                  else partir_torch.verify(model, inputs, steps=steps if args.numerics else 0))
+        say(report.table())
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from partir_torch import _compat
 from partir_torch.ir.program import Op, Program
 from partir_torch.rules.base import MissingRuleError, rule_name, where
 
@@ -50,14 +50,13 @@ def uncovered(program: Program) -> list[Uncovered]:
 
 def prepare(program: Program, *, fallback: bool = False, rounds: int = 3) -> Program:
     """`program` with every op covered by a rule (decomposing where torch knows how)."""
-    from torch._decomp import get_decompositions
 
     for _ in range(rounds):
         missing = missing_ops(program)
         if not missing:
             return program
         overloads = {op.overload for op in program.ops if op.target in missing}
-        table = get_decompositions(list(overloads))
+        table = _compat.get_decompositions(list(overloads))
         if not table:
             break
         program = _retrace(program, table)
@@ -76,7 +75,7 @@ def _retrace(program: Program, table) -> Program:
 
     gm = program.graph_module
     placeholders = gm.graph.find_nodes(op="placeholder")
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fakes = [torch.empty(n.meta["val"].shape, dtype=n.meta["val"].dtype) for n in placeholders]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import logging
 
 import pytest
@@ -18,8 +17,9 @@ from partir_torch import models
 from partir_torch.errors import PartirError
 from partir_torch.plan import PlanMismatchError
 from partir_torch.search.api import search
+from tests import needs
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
+pytestmark = pytest.mark.xla
 MESH = {"batch": 2, "model": 4}
 
 
@@ -76,7 +76,8 @@ def test_auto_shard_trains_like_unsharded_and_unshard_gives_the_trained_weights_
     plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd",
                   schedule="batch:BatchParallel;model:Megatron")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    model, sopt = partir_torch.auto_shard(model, batch, MESH, backend="xla",
+                                          loss_fn=tagger_loss, optimizer=opt, plan=plan)
     assert model.partir_plan is plan
     assert next(model.parameters()).device.type == "xla"
     assert model.head.weight is model.embed.weight  # still tied
@@ -103,7 +104,8 @@ def test_a_tied_weight_the_plan_gathers_is_handed_gathered_to_both_its_modules_a
     plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel;model:FSDP")
     assert "embed.weight" in plan.param_reads and any(plan.params["embed.weight"])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    model, sopt = partir_torch.auto_shard(model, batch, MESH, backend="xla",
+                                          loss_fn=tagger_loss, optimizer=opt, plan=plan)
     tied = model.embed.weight
     losses = _train(model, sopt, tagger_loss, batch, 3, shard=True)
     assert model.embed._parameters["weight"] is tied and model.head._parameters["weight"] is tied
@@ -118,7 +120,7 @@ def test_a_zero_plan_holds_sharded_optimizer_states_on_the_device():
 
     model, batch = _tagger()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, sopt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt,
+    model, sopt = partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=tagger_loss, optimizer=opt,
                                           schedule="batch:BatchParallel;model:ZeRO(1)")
     w = model.mix[1].weight
     assert sharding_of(w) in ("", "{replicated}")  # ZeRO-1: parameters replicated,
@@ -138,7 +140,8 @@ def test_a_weight_tiled_on_every_dim_with_an_axis_left_over_is_placed_whole_and_
 
     model, batch = _tagger()
     want = model.mix[1].weight.detach().clone()
-    model, _ = partir_torch.auto_shard(model, batch, {"batch": 2, "model": 2, "x": 2}, loss_fn=tagger_loss,
+    model, _ = partir_torch.auto_shard(model, batch, {"batch": 2, "model": 2, "x": 2}, backend="xla",
+                                       loss_fn=tagger_loss,
                                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                        schedule=[Manual({"mix.1.weight": ["x", "batch"]})])
     w = model.mix[1].weight
@@ -173,7 +176,7 @@ def test_a_meta_model_is_materialized_sharded_without_a_full_host_copy():
     plan = search(model, (x,), MESH, loss_fn=loss_fn, optimizer="sgd", schedule="model:Megatron")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with HostAllocations():
-        model, _ = partir_torch.auto_shard(model, (x,), MESH, loss_fn=loss_fn, optimizer=opt, plan=plan)
+        model, _ = partir_torch.auto_shard(model, (x,), MESH, backend="xla", loss_fn=loss_fn, optimizer=opt, plan=plan)
     assert biggest < 512 * 64  # no weight was made whole on the host
     assert "devices=[4,1,2]" in sharding_of(model[0].weight)
     assert "devices=[1,4,2]" in sharding_of(model[2].weight)
@@ -192,18 +195,18 @@ def test_a_failing_auto_shard_leaves_the_model_and_optimizer_as_they_were():
     state = copy.deepcopy(opt.state_dict())
     other = search(model, batch, {"batch": 8}, loss_fn=tagger_loss, optimizer="adamw", schedule="batch:BatchParallel")
     with pytest.raises(PlanMismatchError, match=r"the plan is for mesh \{'batch': 8\}, not \{'batch': 2, 'model': 4\}"):
-        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=other)
+        partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=tagger_loss, optimizer=opt, plan=other)
     stranger = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(3))], lr=0.1)
     plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel")
     with pytest.raises(PartirError, match=r"holds a tensor of shape \[3\] that is not a parameter of the model"):
-        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=stranger, plan=plan)
+        partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=tagger_loss, optimizer=stranger, plan=plan)
     # failures after the model was moved: in the optimizer's rebuild, and in the model's hooks
     damped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
     with pytest.raises(PartirError, match=r"SGD with dampening != 0 .* use dampening=0"):
-        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=damped, plan=plan)
+        partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=tagger_loss, optimizer=damped, plan=plan)
     plan.activations = {**plan.activations, "mix.9": [None, None, None]}
     with pytest.raises(PartirError, match=r"constrains the output of module 'mix.9', which this model does not have"):
-        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+        partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=tagger_loss, optimizer=opt, plan=plan)
     assert partir_torch.backends.xla.sharded(model) is None and not hasattr(model, "partir_plan")
     for k, v in model.state_dict().items():
         assert v.device.type == "cpu"
@@ -221,12 +224,13 @@ def test_bad_requests_are_named():
     plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel")
     with pytest.raises(PartirError,
                        match=r"the mesh needs 16 devices, but torch_xla's runtime has 8 .*CPU_NUM_DEVICES=16"):
-        partir_torch.auto_shard(model, batch, {"batch": 4, "model": 4}, loss_fn=tagger_loss, optimizer=opt)
+        partir_torch.auto_shard(model, batch, {"batch": 4, "model": 4}, backend="xla",
+                                loss_fn=tagger_loss, optimizer=opt)
     with pytest.raises(PartirError, match=r"optimizer must be your torch.optim optimizer"):
-        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer="adamw")
-    model, _ = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+        partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=tagger_loss, optimizer="adamw")
+    model, _ = partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=tagger_loss, optimizer=opt, plan=plan)
     with pytest.raises(PartirError, match=r"already sharded by partir_torch; call partir_torch.unshard\(model\) first"):
-        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+        partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=tagger_loss, optimizer=opt, plan=plan)
     with pytest.raises(PartirError, match=r"input 0 has shape \[3, 16\], the plan was made for \[8, 16\]: "
                                           r"input 0 dim 0 \(size 3\) does not divide over \['batch'\].*drop_last=True"):
         model(batch[0][:3])
@@ -245,7 +249,7 @@ def test_a_smaller_batch_that_still_divides_is_sharded_as_planned_with_a_warning
     plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel")
     small = (batch[0][:4], batch[1][:4])
     ref = copy.deepcopy(model)
-    model, _ = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    model, _ = partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=tagger_loss, optimizer=opt, plan=plan)
     with caplog.at_level(logging.WARNING):
         loss = tagger_loss(model, *partir_torch.shard_batch(model, *small))
         torch_xla.sync()
@@ -263,13 +267,15 @@ def test_a_saved_plan_applies_in_another_call_and_a_plan_for_another_model_is_re
     assert plan.dcn_axes == ["batch"]
     plan.save(tmp_path / "plan.json")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, _ = partir_torch.auto_shard(model, batch, "batch=2:dcn,model=4", loss_fn=tagger_loss, optimizer=opt,
+    model, _ = partir_torch.auto_shard(model, batch, "batch=2:dcn,model=4", backend="xla",
+                                       loss_fn=tagger_loss, optimizer=opt,
                                        plan=tmp_path / "plan.json")
     assert model.partir_plan.params == plan.params
     partir_torch.unshard(model)
     gpt, inputs, loss_fn = models.build("tiny-gpt2", device="meta")
     with pytest.raises(PlanMismatchError, match=r"parameters in the plan but not in the model: embed.weight"):
-        partir_torch.auto_shard(gpt, inputs, MESH, loss_fn=loss_fn, optimizer=torch.optim.SGD(gpt.parameters()),
+        partir_torch.auto_shard(gpt, inputs, MESH, backend="xla",
+                                loss_fn=loss_fn, optimizer=torch.optim.SGD(gpt.parameters()),
                                 plan=tmp_path / "plan.json")
 
 
@@ -285,7 +291,8 @@ def test_without_torch_xla_the_error_says_how_to_install_the_pinned_pair(monkeyp
     assert next(model.parameters()).device.type == "cpu"
     # without torch_xla the default backend is torch.distributed, which says how to start its ranks
     with pytest.raises(PartirError, match=r"no torch.distributed process group: start one with torchrun"):
-        partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=torch.optim.SGD(model.parameters()))
+        partir_torch.auto_shard(model, batch, MESH, backend="xla",
+                                loss_fn=tagger_loss, optimizer=torch.optim.SGD(model.parameters()))
     assert next(model.parameters()).device.type == "cpu"
 
 
@@ -465,7 +472,8 @@ def test_dropout_on_the_engine_draws_per_shard_masks_with_dropouts_statistics():
                   schedule="batch:BatchParallel;model:BatchParallel")
     assert list(plan.inputs[0][0]) == ["batch", "model"]  # the batch dim split 8 ways
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, _ = partir_torch.auto_shard(model, (x,), MESH, loss_fn=lambda m, x: m(x).square().mean(), optimizer=opt,
+    model, _ = partir_torch.auto_shard(model, (x,), MESH, backend="xla",
+                                       loss_fn=lambda m, x: m(x).square().mean(), optimizer=opt,
                                        plan=plan)
     (xs,) = partir_torch.shard_batch(model, x)
     model.train()
@@ -513,7 +521,7 @@ def test_calls_counted_on_the_device_match_the_capture_and_a_forward_that_strays
     plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel;model:FSDP")
     assert plan.calls
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, _ = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    model, _ = partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=tagger_loss, optimizer=opt, plan=plan)
     with caplog.at_level(logging.WARNING):
         tagger_loss(model, *partir_torch.shard_batch(model, *batch)).backward()
         torch_xla.sync()
@@ -534,7 +542,7 @@ def test_calls_counted_on_the_device_match_the_capture_and_a_forward_that_strays
         assert plan.calls[""]["1" if late else "0"]["out"] is not None
         ref = copy.deepcopy(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        net, opt = partir_torch.auto_shard(net, (x,), MESH, loss_fn=loss, optimizer=opt, plan=plan)
+        net, opt = partir_torch.auto_shard(net, (x,), MESH, backend="xla", loss_fn=loss, optimizer=opt, plan=plan)
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             losses = _train(net, opt, loss, (x,), 2, shard=True)
@@ -579,7 +587,7 @@ def test_a_plan_captured_as_compiled_runs_its_forward_as_compiled(caplog):
     assert plan.compiling and "" in plan.calls and ShardingPlan.from_json(plan.to_json()).compiling
     ref = copy.deepcopy(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    net, opt = partir_torch.auto_shard(net, (x,), MESH, loss_fn=loss, optimizer=opt, plan=plan)
+    net, opt = partir_torch.auto_shard(net, (x,), MESH, backend="xla", loss_fn=loss, optimizer=opt, plan=plan)
     with caplog.at_level(logging.WARNING):
         losses = _train(net, opt, loss, (x,), 2, shard=True)
     assert sharded(net).lowerings.calls.lost == set() and "makes" not in caplog.text
@@ -598,7 +606,7 @@ def test_users_models_keep_every_call_constraint_on_the_device(name, caplog):
     from benchmarks.workloads.thirdparty import BUILDERS
     from partir_torch.backends.xla import sharded
 
-    pytest.importorskip("torchvision")
+    needs.need("torchvision")
     torch.manual_seed(0)
     model, inputs, loss_fn = BUILDERS[name]()
     for m in model.modules():  # (torchvision draws stochastic depth and attention dropout from floats)
@@ -609,7 +617,7 @@ def test_users_models_keep_every_call_constraint_on_the_device(name, caplog):
     plan = search(model, inputs, MESH, loss_fn=loss_fn, optimizer="sgd", schedule="batch:BatchParallel;model:FSDP")
     assert sum(len(c) for c in plan.calls.values()) > 10
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, opt = partir_torch.auto_shard(model, inputs, MESH, loss_fn=loss_fn, optimizer=opt, plan=plan)
+    model, opt = partir_torch.auto_shard(model, inputs, MESH, backend="xla", loss_fn=loss_fn, optimizer=opt, plan=plan)
     with caplog.at_level(logging.WARNING):
         losses = _train(model, opt, loss_fn, inputs, 2, shard=True)
     assert not sharded(model).lowerings.calls.lost, caplog.text
@@ -645,7 +653,7 @@ def test_a_host_constant_made_in_forward_is_left_on_the_host():
     assert plan.calls[""]["0"]["fn"] == "mul"  # (the first call of the root's own forward that is not constant)
     ref = copy.deepcopy(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    net, opt = partir_torch.auto_shard(net, (x,), MESH, loss_fn=loss, optimizer=opt, plan=plan)
+    net, opt = partir_torch.auto_shard(net, (x,), MESH, backend="xla", loss_fn=loss, optimizer=opt, plan=plan)
     losses = _train(net, opt, loss, (x,), 2, shard=True)
     assert losses == pytest.approx(_train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), loss, (x,), 2, shard=False),
                                    rel=1e-5)
@@ -707,7 +715,8 @@ def test_a_boolean_mask_made_by_a_call_is_left_to_the_engine():
     plan = search(model, batch, MESH, loss_fn=tagger_loss, optimizer="sgd", schedule="batch:BatchParallel")
     assert any(c["fn"] == "ne" and c["out"] is not None for c in plan.calls.get("", {}).values()), plan.calls
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=tagger_loss, optimizer=opt, plan=plan)
+    model, opt = partir_torch.auto_shard(model, batch, MESH, backend="xla",
+                                         loss_fn=tagger_loss, optimizer=opt, plan=plan)
     got = _train(model, opt, tagger_loss, batch, 2, shard=True)
     want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), tagger_loss, batch, 2, shard=False)
     assert got == pytest.approx(want, rel=1e-5)
@@ -737,7 +746,7 @@ def test_a_tensor_of_rank_6_is_left_to_the_engine():
     plan = search(model, batch, MESH, loss_fn=loss, optimizer="sgd", schedule="batch:BatchParallel")
     assert any(c["out"] is not None and len(c["out"][0]) == 6 for c in plan.calls.get("", {}).values()), plan.calls
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt, plan=plan)
+    model, opt = partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=loss, optimizer=opt, plan=plan)
     got = _train(model, opt, loss, batch, 2, shard=True)
     want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), loss, batch, 2, shard=False)
     assert got == pytest.approx(want, rel=1e-5)
@@ -757,7 +766,7 @@ def test_auto_shard_computes_only_its_own_tensors_next_to_a_step_that_failed(mon
     loss = lambda m, x, y: F.mse_loss(m(x), y)  # noqa: E731
     broken, batch = _Patches(), (torch.randn(8, 3, 8, 8), torch.randn(8, 8))
     opt = torch.optim.SGD(broken.parameters(), lr=0.1)
-    broken, opt = partir_torch.auto_shard(broken, batch, MESH, loss_fn=loss, optimizer=opt,
+    broken, opt = partir_torch.auto_shard(broken, batch, MESH, backend="xla", loss_fn=loss, optimizer=opt,
                                           schedule="batch:BatchParallel")
     monkeypatch.setattr(backend, "MAX_RANK", 99)  # the rank-6 annotation XLA rejects (test_xla_known_bugs.py)
     with pytest.raises(ValueError, match="not unique in tile assignment"):
@@ -767,7 +776,7 @@ def test_auto_shard_computes_only_its_own_tensors_next_to_a_step_that_failed(mon
     monkeypatch.setattr(backend, "MAX_RANK", 5)
     try:
         model, mb = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), (torch.randn(8, 8), torch.randn(8, 4))
-        model, _ = partir_torch.auto_shard(model, mb, MESH, loss_fn=loss, optimizer=torch.optim.SGD(
+        model, _ = partir_torch.auto_shard(model, mb, MESH, backend="xla", loss_fn=loss, optimizer=torch.optim.SGD(
             model.parameters(), lr=0.1), schedule="batch:BatchParallel")
         assert all(p.device.type == "xla" for p in model.parameters())
     finally:  # the failed step's tensors go, so that later syncs of this process run
@@ -795,7 +804,7 @@ def test_a_grouped_convolution_with_a_split_batch_trains_like_unsharded_and_move
     ref, fresh = copy.deepcopy(model), copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
-        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
+        model, opt = partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=loss, optimizer=opt,
                                              schedule="batch:BatchParallel")
     assert not caplog.records, [r.getMessage() for r in caplog.records]
     got = _train(model, opt, loss, batch, 3, shard=True)
@@ -821,7 +830,7 @@ def test_batch_and_instance_norm_in_training_mode_keep_the_batch_split_and_their
     loss = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
     ref, fresh = copy.deepcopy(model), copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
+    model, opt = partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=loss, optimizer=opt,
                                          schedule="batch:BatchParallel")
     got = _train(model, opt, loss, batch, 3, shard=True)
     want = _train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), loss, batch, 3, shard=False)
@@ -846,7 +855,7 @@ def _keeps_every_call(model: nn.Module, caplog, check=None) -> nn.Module:
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with caplog.at_level(logging.WARNING, logger="partir_torch.backends.xla"):
-        model, opt = partir_torch.auto_shard(model, batch, MESH, loss_fn=loss, optimizer=opt,
+        model, opt = partir_torch.auto_shard(model, batch, MESH, backend="xla", loss_fn=loss, optimizer=opt,
                                              schedule="batch:BatchParallel;model:Megatron")
         if check is not None:
             check(model)

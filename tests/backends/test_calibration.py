@@ -7,13 +7,11 @@ deviation so that a change in either side is noticed.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from partir_torch.backends.hlo import read_collectives, read_memory_breakdown, read_memory_total
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
+pytestmark = pytest.mark.xla
 
 
 def test_hlo_reader_maps_replica_groups_to_mesh_axes():

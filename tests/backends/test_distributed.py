@@ -141,13 +141,28 @@ def _axes_used(rec) -> list[str]:
 
 
 def check(results, *, memory_tolerance=0.15):
+    """Each rank's run: losses and parameters as unsharded, every collective row as predicted (+-1 %) and none
+    unplanned, memory as predicted; and the plan shards something and runs a collective (a plan that shards
+    nothing would pass the rest trivially)."""
     for r in results:
+        assert r["axes"], "the plan shards nothing (no parameter, input or optimizer state is split)"
+        assert any(row["predicted"] > 0 and row["measured"] > 0 for row in r["rows"]), r["rows"]
         assert max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(r["losses"], r["ref"])) <= 1e-5, r
         assert r["rel"] <= 1e-5, r
         bad = [row for row in r["rows"] if abs(row["measured"] - row["predicted"]) > 0.01 * max(1, row["predicted"])]
         assert not bad and not r["unexpected"], (bad, r["unexpected"])
         measured, predicted = r["mem"]
         assert abs(measured / predicted - 1) <= memory_tolerance, r["mem"]
+
+
+def test_check_refuses_a_run_that_shards_nothing():
+    """`check` itself: an exact run of a plan that splits nothing and runs no collective is not a pass."""
+    run = {"losses": [1.0], "ref": [1.0], "rel": 0.0, "rows": [], "unexpected": [], "mem": (10, 10), "axes": []}
+    with pytest.raises(AssertionError, match="shards nothing"):
+        check([run])
+    with pytest.raises(AssertionError):
+        check([{**run, "axes": ["batch"]}])  # split, but no collective row ran
+    check([{**run, "axes": ["batch"], "rows": [{"predicted": 64, "measured": 64}]}])
 
 
 EXPERTS = {"4": "batch:BatchParallel;model:Megatron;batch:ZeRO(1)", "2": "batch:FSDP"}
@@ -402,7 +417,7 @@ def plan_file_case(rank, world, path):
     return losses, report.to_json(), report.table()
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("torch_xla") is None, reason="torch_xla not installed")
+@pytest.mark.xla
 def test_one_plan_file_gives_the_same_losses_on_both_backends(four, tmp_path):
     """A searched plan saved once, run by torch_xla SPMD (a fresh process, `verify`'s) and by the torch backend
     on 4 gloo ranks: the same three losses."""

@@ -10,8 +10,6 @@ ordered; `test_adamw_plans_train_like_unsharded` covers Adam on models without s
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from partir_torch import models
@@ -20,8 +18,9 @@ from partir_torch.cost import evaluate, hardware
 from partir_torch.ir import Mesh
 from partir_torch.search.api import search
 from partir_torch.tactics import apply_schedule
+from tests import needs
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
+pytestmark = pytest.mark.xla
 MODELS = ["tiny-mlp", "tiny-gpt2", "tiny-llama", "tiny-unet", "tiny-gns", "tiny-moe"]
 MESHES = ["batch=8", "batch=2,model=4", "batch=2,model=2,x=2"]
 
@@ -78,7 +77,7 @@ def test_a_transformers_gpt2_with_its_tied_table_tiled_on_rows_trains_like_unsha
     from partir_torch.propagate import ShardingState
     from partir_torch.rules.decompose import prepare
 
-    pytest.importorskip("transformers")
+    needs.need("transformers")
     torch.manual_seed(0)
     model, inputs, loss_fn = BUILDERS["hf-gpt2"]()
     for m in model.modules():

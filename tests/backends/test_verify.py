@@ -3,7 +3,6 @@ model sharded in this process; what does not match is reported, not hidden."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -14,7 +13,7 @@ import partir_torch
 from partir_torch.cli import main
 from partir_torch.search.api import search
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
+pytestmark = pytest.mark.xla
 
 
 class Gated(nn.Module):
@@ -36,7 +35,8 @@ def test_verify_of_a_model_sharded_in_this_process_matches_the_prediction():
     torch.manual_seed(0)
     model, batch = Gated(), (torch.randn(16, 32), torch.randn(16, 32))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, _ = partir_torch.auto_shard(model, batch, {"batch": 2, "model": 4}, loss_fn=gated_loss, optimizer=opt,
+    model, _ = partir_torch.auto_shard(model, batch, {"batch": 2, "model": 4}, backend="xla",
+                                       loss_fn=gated_loss, optimizer=opt,
                                           schedule="batch:BatchParallel;model:Megatron")
     report = partir_torch.verify(model, batch, numerics=True, steps=2)
     j = report.to_json()

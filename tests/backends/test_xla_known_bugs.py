@@ -3,12 +3,10 @@ turns its test red, and the entry goes). Each is a plain torch_xla program, with
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
+pytestmark = pytest.mark.xla
 
 
 def _moe_experts(w_in_spec: tuple, w_out_spec: tuple) -> float:

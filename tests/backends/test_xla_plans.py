@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 
 import pytest
@@ -15,7 +14,7 @@ from partir_torch.ir import Mesh
 from partir_torch.plan import specs
 from partir_torch.tactics import apply_schedule
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla not installed")
+pytestmark = pytest.mark.xla
 
 
 def _matches_unsharded(model: str, mesh: Mesh, sp, optimizer: str):

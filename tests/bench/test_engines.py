@@ -78,6 +78,7 @@ def test_a_slower_found_plan_says_why_and_an_expert_over_the_limit_is_not_the_ba
     assert "ratio" not in engines.verdicts(row)[0] and "did not run" in engines.verdicts(row)[0]["why"]
 
 
+@pytest.mark.xla
 def test_torch_xla_runs_a_plan_and_its_own_auto_sharding_which_replicates_on_the_cpu():
     from partir_torch.cost import evaluate, hardware
 

@@ -128,15 +128,13 @@ def test_untraceable_op_names_the_source_line_and_module():
         capture(model, (torch.randn(2, 4),), _loss, "sgd")
 
 
+@pytest.mark.xla
 def test_torch_xlas_patched_gru_is_named_with_the_way_around():
-    import importlib.util
-
     import torch.nn as nn
 
     from partir_torch.errors import CaptureError
 
-    if importlib.util.find_spec("torch_xla") is None or not hasattr(nn.GRU, "_orig"):
-        pytest.skip("torch_xla (which patches nn.GRU at import) is not loaded")
+    assert hasattr(nn.GRU, "_orig"), "torch_xla (imported by conftest) patches nn.GRU at import"
     model = nn.GRU(4, 4, batch_first=True)
     with pytest.raises(CaptureError, match=r"GRU here is torch_xla's replacement .* torch.nn.GRU._orig"):
         capture(model, (torch.randn(2, 3, 4),), lambda m, x: m(x)[0].sum(), "sgd")

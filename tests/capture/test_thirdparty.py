@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 import partir_torch
 from partir_torch.capture import capture
+from tests import needs
 
-transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install -e '.[thirdparty]')")
-torchvision = pytest.importorskip("torchvision", reason="torchvision not installed (pip install -e '.[thirdparty]')")
+transformers = needs.need("transformers")
+torchvision = needs.need("torchvision")
 
 
 def _causal_lm_loss(model, ids, labels):

@@ -16,11 +16,13 @@ import warnings
 
 import pytest
 
-pytest.importorskip("transformers", reason="transformers not installed (pip install -e '.[thirdparty]')")
-pytest.importorskip("torchvision", reason="torchvision not installed (pip install -e '.[thirdparty]')")
+from tests import needs
 
-from benchmarks.workloads import sweep
-from benchmarks.workloads.thirdparty import NAMES
+needs.need("transformers")
+needs.need("torchvision")
+
+from benchmarks.workloads import sweep  # noqa: E402  (after the check that the packages it builds from are here)
+from benchmarks.workloads.thirdparty import NAMES  # noqa: E402
 
 pytestmark = [pytest.mark.thirdparty, pytest.mark.sweep]
 
@@ -42,7 +44,7 @@ SELECTED = NAMES if os.environ.get("PARTIR_SWEEP") == "full" else CI_SUBSET
 @pytest.mark.parametrize("name", SELECTED)
 def test_architecture_plans_and_simulates(name):
     if name.startswith("timm-"):
-        pytest.importorskip("timm", reason="timm not installed (pip install -e '.[thirdparty]')")
+        needs.need("timm")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = sweep.run(name)

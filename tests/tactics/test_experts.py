@@ -14,6 +14,7 @@ from partir_torch.ir import Mesh, ShardOptimizer, Tile
 from partir_torch.lower import lower, summarize
 from partir_torch.simulate import simulate
 from partir_torch.tactics import HSDP, apply_schedule, parse_schedule
+from tests import needs
 
 
 def test_hsdp_shards_within_the_node_replicates_across_and_trains_exactly():
@@ -123,7 +124,7 @@ def test_sequence_parallel_after_megatron_turns_its_all_reduce_into_reduce_scatt
 def test_sequence_and_context_parallelism_on_a_transformers_llama(schedule):
     """The same tactics on HF transformers' `LlamaForCausalLM` (tiny config, no download): exact, and the model
     axis reduces by reduce-scatter, not all-reduce."""
-    pytest.importorskip("transformers")
+    needs.need("transformers")
     from benchmarks.workloads.thirdparty import BUILDERS
 
     torch.manual_seed(0)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from partir_torch import _compat
 from partir_torch.backends.common import initial_states, rebuild_optimizer, slots
 from partir_torch.backends.distributed.rank import RankProgram, trace
 from partir_torch.backends.distributed.reshard import Exchange
@@ -45,7 +46,6 @@ def placements(sh: Sharding, mesh: Mesh) -> list:
     that splits dim d after every axis before it in the mesh's order; `_StridedShard(d, k)` where axes that
     come later in the mesh split the dim before it (k: their product)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     out = []
     for axis in mesh.names:
@@ -58,7 +58,7 @@ def placements(sh: Sharding, mesh: Mesh) -> list:
         k = 1
         for a in ahead:
             k *= mesh.size(a)
-        out.append(Shard(d) if k == 1 else _StridedShard(d, split_factor=k))
+        out.append(Shard(d) if k == 1 else _compat.StridedShard(d, split_factor=k))
     return out
 
 
@@ -188,9 +188,7 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 def _compiled(gm):
     """The rank graph through `torch.compile` (inductor), its random ops drawing as eager does."""
-    import torch._inductor.config as inductor_config
-
-    inductor_config.fallback_random = True  # the rank draws the unsharded step's numbers (`rank.py`)
+    _compat.inductor_config.fallback_random = True  # the rank draws the unsharded step's numbers (`rank.py`)
     return torch.compile(gm, backend="inductor", dynamic=False)
 
 

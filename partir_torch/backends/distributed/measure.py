@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from partir_torch import _compat
 from partir_torch.backends.distributed.engine import Sharded, check_batch, rank_inputs
 from partir_torch.lower import lower, summarize
 
@@ -24,7 +24,7 @@ COLLECTIVE_OPS = {"all_gather_into_tensor": "all-gather", "reduce_scatter_tensor
          "all_reduce": "all-reduce", "all_to_all_single": "all-to-all"}
 
 
-class CountCollectives(TorchDispatchMode):
+class CountCollectives(_compat.TorchDispatchMode):
     """Counts the functional collectives run under it: [(kind, axis, bytes per device)]."""
 
     def __init__(self, axis_of: dict[str, str]) -> None:
@@ -68,8 +68,7 @@ def axis_of_groups(rec: Sharded) -> dict[str, str]:
 def run_once(rec: Sharded, model, optimizer, batch, *, local: bool = False) -> RankRun:
     """One step of the rank graph, eagerly, on copies of the rank's parameters and states (the model is not
     changed): its collectives and its peak memory."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    MemTracker = _compat.MemTracker
     check_batch(rec.state.program, rec.state, rec.rank_mesh, batch, local)
     graph = rec.graph if not rec.compiled else rec.graph._orig_mod
     flat = [t.clone() for t in rank_inputs(rec, model, optimizer, batch, local=local)]

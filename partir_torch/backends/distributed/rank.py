@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from partir_torch import _compat
 from partir_torch.backends.distributed.reshard import Exchange, run_walk
 from partir_torch.errors import PartirError
 from partir_torch.ir.program import Ref
@@ -262,10 +263,9 @@ def _guard_collective_inputs(gm: torch.fx.GraphModule) -> None:
     differ from the real one's (`native_layer_norm_backward`'s gradient keeps its input's permuted strides on
     fake tensors and is row-major on the CPU; ConvNeXt's channels-last norm, sliced and permuted back, then
     gathered), and then the traced `.contiguous()` was elided where the real tensor needs it."""
-    collectives = {torch.ops._c10d_functional.all_gather_into_tensor.default,
-                   torch.ops._c10d_functional.reduce_scatter_tensor.default,
-                   torch.ops._c10d_functional.all_reduce.default,
-                   torch.ops._c10d_functional.all_to_all_single.default}
+    ops = _compat.c10d_functional
+    collectives = {ops.all_gather_into_tensor.default, ops.reduce_scatter_tensor.default, ops.all_reduce.default,
+                   ops.all_to_all_single.default}
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in collectives and isinstance(node.args[0], torch.fx.Node):
             src = node.args[0]

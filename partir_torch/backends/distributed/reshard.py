@@ -1,9 +1,10 @@
 """One rank's side of a reshard: the steps of `layout.walk` run on its local tensor with
-`torch.distributed._functional_collectives` over each mesh axis's process group.
+torch's functional collectives (`_compat`: their names move between releases) over each mesh axis's
+process group.
 
 A step's data stays inside its axis's group. Where the blocks line up with one dim (the common case: an
-axis minor-most on its dim), a step is the collective along that dim (`all_gather_tensor(x, d)`,
-`reduce_scatter_tensor(x, "sum", d)`, chunks swapped by `all_to_all_single`); otherwise (chunked layouts,
+axis minor-most on its dim), a step is the collective along that dim (all-gather along d,
+reduce-scatter along d, chunks swapped by `all_to_all_single`); otherwise (chunked layouts,
 interleaved blocks) it is the same collective on the flattened local tensor with the elements each device
 sends and receives picked by index, computed here from the layouts. Either way each step moves exactly the
 bytes `lower` counts for it.
@@ -17,8 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.distributed._functional_collectives as funcol
 
+from partir_torch import _compat
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
 from partir_torch.lower.layout import Layout, Step
@@ -41,7 +42,7 @@ class Exchange:
     def run(self, x: torch.Tensor, step: Step, shape: tuple[int, ...]) -> torch.Tensor:
         kind, axis = step.kind, step.axis
         if kind == "all-reduce":
-            out = funcol.all_reduce(x, "sum", self.groups[axis])
+            out = _compat.all_reduce(x, "sum", self.groups[axis])
         elif kind == "reduce-scatter":
             out = self._reduce_scatter(x, step, shape)
         elif kind == "all-gather":
@@ -81,8 +82,8 @@ class Exchange:
         parts = [self._index(step.src, shape, axis, j) for j in range(n)]
         d = _along(parts, want)
         if d is not None:
-            return funcol.all_gather_tensor(x.contiguous(), d, self.groups[axis])
-        flat = funcol.all_gather_tensor(_padded(x.contiguous().reshape(-1), _largest(parts)), 0, self.groups[axis])
+            return _compat.all_gather(x.contiguous(), d, self.groups[axis])
+        flat = _compat.all_gather(_padded(x.contiguous().reshape(-1), _largest(parts)), 0, self.groups[axis])
         return _assemble(flat, parts, want, x.device, f"gather {step.src} -> {step.dst}", padded=True)
 
     def _reduce_scatter(self, x: torch.Tensor, step: Step, shape: tuple[int, ...]) -> torch.Tensor:
@@ -91,10 +92,10 @@ class Exchange:
         dests = [self._index(step.dst, shape, axis, k) for k in range(n)]
         d = _along(dests, have)
         if d is not None:
-            return funcol.reduce_scatter_tensor(x.contiguous(), "sum", d, self.groups[axis])
+            return _compat.reduce_scatter(x.contiguous(), "sum", d, self.groups[axis])
         most = _largest(dests)  # (members' blocks padded to the largest: a layout's blocks may be uneven)
         send = torch.cat([_padded(_pick(x, have, dk), most) for dk in dests])
-        mine = funcol.reduce_scatter_tensor(send, "sum", 0, self.groups[axis])
+        mine = _compat.reduce_scatter(send, "sum", 0, self.groups[axis])
         local = [len(i) for i in dests[self.coord[axis]]]
         return mine[:math.prod(local)].reshape(local)
 
@@ -108,12 +109,12 @@ class Exchange:
         t, s = _along(sent, have), _along(got, want)
         if t is not None and s is not None:  # split along t, the pieces received joined along s
             pieces = torch.stack(x.chunk(n, t)).contiguous()
-            recv = funcol.all_to_all_single(pieces.reshape(-1), None, None, self.groups[axis])
+            recv = _compat.all_to_all_single(pieces.reshape(-1), None, None, self.groups[axis])
             return torch.cat(recv.reshape(pieces.shape).unbind(0), s)
         send = torch.cat([_pick(x, have, part) for part in sent])
         sizes = [int(np.prod([len(i) for i in part])) for part in sent]
         recv_sizes = [int(np.prod([len(i) for i in part])) for part in got]
-        flat = funcol.all_to_all_single(send, recv_sizes, sizes, self.groups[axis])
+        flat = _compat.all_to_all_single(send, recv_sizes, sizes, self.groups[axis])
         return _assemble(flat, got, want, x.device, f"all-to-all {step.src} -> {step.dst}")
 
 
@@ -191,11 +192,11 @@ def run_walk(exchange: Exchange, x: torch.Tensor, steps: list[Step], shape: tupl
                 local, x = tuple(x.shape), x.contiguous().reshape(-1)
             group = exchange.groups[s.axis]
             if s.kind == "reduce-scatter":
-                x = funcol.reduce_scatter_tensor(x, "sum", 0, group)
+                x = _compat.reduce_scatter(x, "sum", 0, group)
             elif s.kind == "all-reduce":
-                x = funcol.all_reduce(x, "sum", group)
+                x = _compat.all_reduce(x, "sum", group)
             else:
-                x = funcol.all_gather_tensor(x, 0, group)
+                x = _compat.all_gather(x, 0, group)
                 if s.dst != s.src:  # the last gather: the sum whole again
                     x, local = x.reshape(local), None
         else:

@@ -32,7 +32,7 @@ def verify(model, example_inputs, *, steps: int = 0, local: bool = False) -> Ver
         {"comm_bytes": dict(pred), "peak_memory_bytes": cmp["predicted_peak"]},
         {"comm_bytes": dict(meas), "peak_memory_bytes": cmp["measured_peak"], "collectives": counts,
          "memory_breakdown": cmp["memory_by_role"]},
-        unexpected_collectives=cmp["unexpected"], by_axis=cmp["by_axis"],
+        unexpected_collectives=cmp["unexpected"], by_axis=cmp["by_axis"], engine="torch",
         notes=[f"rank {rec.rank_mesh.rank} of {rec.rank_mesh.world} (torch backend, {rec.rank_mesh.device.type}): "
                "collectives counted as the rank program issued them, memory the live bytes of its tensors"])
     if steps:

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
+from partir_torch import _compat
 from partir_torch.backends.xla import runtime
 from partir_torch.backends.xla.runtime import _mark, _spec, _xla, sharding_of
 from partir_torch.capture.attribution import Constants, call_name, counted
@@ -122,8 +122,8 @@ def _moved(args: tuple, kwargs: dict[str, Any], out: Any) -> bool:
     never at capture, so where the plan's call of that number is another function, the move is not
     counted (a move the capture also made, a no-op there, is one of its calls: `.to(x.device)` of a host
     constant)."""
-    given = {t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-    made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    given = {t.device for t in _compat.pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    made = [t for t in _compat.pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     return bool(given) and bool(made) and all(t.device not in given for t in made)
 
 
@@ -144,12 +144,12 @@ def constrain_by_shape(tree: Any, mesh, picks: list[tuple], *, unique: bool = Fa
     """`tree` with, for each (shape, nth, spec, grad spec) of `picks`, its `nth` tensor leaf of that shape
     constrained (`unique`: only when it is the one tensor of that shape). A plan names a call's operands and a
     model's output so; a leaf off the XLA device (a host constant) is left alone."""
-    leaves, spec_tree = pytree.tree_flatten(tree)
+    leaves, spec_tree = _compat.pytree.tree_flatten(tree)
     for shape, nth, spec, grad in picks:
         hits = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and list(t.shape) == shape]
         if nth < len(hits) and not (unique and len(hits) > 1) and leaves[hits[nth]].device.type == "xla":
             leaves[hits[nth]] = constrain(leaves[hits[nth]], mesh, spec, grad)
-    return pytree.tree_unflatten(leaves, spec_tree)
+    return _compat.pytree.tree_unflatten(leaves, spec_tree)
 
 
 class _Constrain(torch.autograd.Function):
@@ -200,7 +200,7 @@ class _ReadAs:
         holder, attr = self.places[0]
         p = holder._parameters[attr]
         self.saved.append(p)
-        with torch._C.DisableTorchFunction():  # not one of the model's calls (`CallConstraints` counts those)
+        with _compat.DisableTorchFunction():  # not one of the model's calls (`CallConstraints` counts those)
             read = constrain(p, self.mesh, self.spec, self.grad)
         for m, a in self.places:
             m._parameters[a] = read

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from partir_torch import _compat
 from partir_torch.backends.common import initial_states, rebuild_optimizer
 from partir_torch.backends.common import slots as tensor_slots
 from partir_torch.backends.xla.constraints import CallConstraints, _ReadAs, constrain, constrain_by_shape, grad_hook
@@ -125,7 +126,7 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
     def constrain_to(spec: tuple):
         def hook(mod, args, out):
             if isinstance(out, torch.Tensor) and out.dim() == len(spec):
-                with torch._C.DisableTorchFunction():  # not one of the model's calls
+                with _compat.DisableTorchFunction():  # not one of the model's calls
                     return xs.mark_sharding_with_gradients(out, mesh, spec)
             return None
 
@@ -141,7 +142,7 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
 
     def as_the_loss_reads(shape: list[int], spec: tuple, grad: tuple | None):
         def hook(mod, args, out):
-            with torch._C.DisableTorchFunction():  # not one of the model's calls
+            with _compat.DisableTorchFunction():  # not one of the model's calls
                 return constrain_by_shape(out, mesh, [(shape, 0, spec, grad)], unique=True)
 
         return hook
@@ -154,7 +155,7 @@ def _install_hooks(model: nn.Module, rec: Sharded) -> None:
             if len(hits) != 1:
                 return None
             k, a = hits[0]
-            with torch._C.DisableTorchFunction():  # not one of the model's calls
+            with _compat.DisableTorchFunction():  # not one of the model's calls
                 a = constrain(a, mesh, spec, grad)
             if isinstance(k, int):
                 return (*args[:k], a, *args[k + 1:]), kwargs
