@@ -23,8 +23,11 @@ import gc
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (benchmarks.workloads, run as a script)
 
 SCHEDULE = "batch:DP;model:Megatron;batch:ZeRO(1)"
 KINDS = frozenset({"input", "param", "optimizer"})
@@ -118,7 +121,9 @@ def main() -> None:
     Console(width=120).print(tab)
     print("targets (gpt2-small): full <= 20 ms, incremental eval <= 2 ms")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    from benchmarks.workloads.provenance import stamp
+
+    Path(args.out).write_text(json.dumps({**stamp(), **res}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
+    from benchmarks.workloads import provenance
     from partir_torch.bench import engines
 
     ap = argparse.ArgumentParser()
@@ -31,13 +31,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine.json"))
     args = ap.parse_args()
     out, t0 = Path(args.out), time.perf_counter()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    commit = provenance.commit()
 
     def save(rows: list[dict]) -> None:
         for v in rows[-1]["verdicts"]:
             print(f"  {v['engine']} {v['hardware']}: found / best expert "
                   f"{v.get('ratio', float('nan')):.3f} ({v.get('best')}) {v.get('why', '')}", flush=True)
-        out.write_text(json.dumps({"episodes": args.episodes, "commit": commit.strip() or None, "rows": rows}, indent=1,
+        out.write_text(json.dumps({"episodes": args.episodes, "commit": commit or None, "rows": rows}, indent=1,
                                   default=str))
 
     engines.run(args.models, args.meshes, args.episodes, tuple(args.engines), on_row=save)

@@ -17,8 +17,11 @@ import argparse
 import gc
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (benchmarks.workloads, run as a script)
 
 
 def main() -> None:
@@ -42,7 +45,9 @@ def main() -> None:
             program, args, models, Mesh, Tile, lower, ShardingState, program_rules
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, **out}, indent=1))
+    from benchmarks.workloads.provenance import stamp
+
+    Path(args.out).write_text(json.dumps({**stamp(), "model": args.model, **out}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -144,14 +144,16 @@ def main() -> None:
             print(name, r, flush=True)
     finally:
         w.close()
-    commit = __import__("subprocess").run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                          cwd=ROOT).stdout.strip()
+    from benchmarks.workloads.provenance import stamp
+
+    where = stamp()
     how = {"schedule": SCHEDULE} if args.searched is None else {"searched": args.searched}
-    out.write_text(json.dumps({"commit": commit, "mesh": MESH, **how, "steps": args.steps, "rows": results},
+    out.write_text(json.dumps({**where, "mesh": MESH, **how, "steps": args.steps, "rows": results},
                               indent=1) + "\n")
     text = DOC.read_text()
     flag = "" if args.searched is None else f" --searched {args.searched}"
-    body = (f"Measured at commit `{commit}` ({len(results)} architectures; `benchmarks/torch_users.py{flag}`):\n\n"
+    body = (f"Measured at commit `{where['commit']}` on torch {where['torch']} ({len(results)} architectures; "
+            f"`benchmarks/torch_users.py{flag}`):\n\n"
             + table(results, args.searched is not None))
     DOC.write_text(re.sub(rf"(<!-- BEGIN {tag} -->\n).*?(<!-- END {tag} -->)",
                           lambda m: m.group(1) + body + "\n" + m.group(2), text, flags=re.S))

@@ -19,19 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partir_torch.capture.fold import weights
-from partir_torch.cost.hardware import Hardware
+from partir_torch.cost.hardware import Hardware, format_bytes
 from partir_torch.cost.model import CostReport, collective_time
 from partir_torch.ir.program import Role
 from partir_torch.plan import ShardingPlan
 from partir_torch.propagate import ShardingState
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{n:.0f} B"
-
 
 _LAYER = re.compile(r"\.\d+(?=\.|\]|$)")
 
@@ -76,14 +68,14 @@ class Explanation:
             for r in self.comm[:top]:
                 share = r.time_s / self.comm_time_s if self.comm_time_s else 0.0
                 lines.append(f"  {r.time_s * ms:9.3f} ms {share:6.1%}  {r.kind:<14} {r.axis:<8} {r.what:<{w}}  "
-                             f"{fmt_bytes(r.bytes):>10}  x{r.count}  {r.change}")
+                             f"{format_bytes(r.bytes):>10}  x{r.count}  {r.change}")
             if len(self.comm) > top:
                 rest = self.comm[top:]
                 lines.append(f"  … {len(rest)} more causes, {sum(r.time_s for r in rest) * ms:.3f} ms")
         else:
             lines.append("no communication")
-        lines.append(f"memory at the peak ({fmt_bytes(self.memory_peak_bytes)} per device), largest values:")
-        lines += [f"  {n} ({role}) {fmt_bytes(b)}" for n, role, b in self.memory_top]
+        lines.append(f"memory at the peak ({format_bytes(self.memory_peak_bytes)} per device), largest values:")
+        lines += [f"  {n} ({role}) {format_bytes(b)}" for n, role, b in self.memory_top]
         return "\n".join(lines)
 
 
@@ -143,7 +135,7 @@ class PlanDiff:
             if k.endswith("_s"):
                 lines.append(f"{k:<24} {a * 1e3:10.3f} ms -> {b * 1e3:10.3f} ms{rel}")
             else:
-                lines.append(f"{k:<24} {fmt_bytes(a):>13} -> {fmt_bytes(b):>13}{rel}")
+                lines.append(f"{k:<24} {format_bytes(a):>13} -> {format_bytes(b):>13}{rel}")
         if self.same_specs:
             lines.append("every parameter, input and optimizer state has the same spec")
         for title, rows in (("parameters", self.params), ("optimizer states", self.optimizer_state)):

@@ -8,8 +8,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import settings
 
 from tests import needs
+
+# A failing draw of the property tests prints how to replay it (`@reproduce_failure`); under CI the draws are
+# derandomized (the same cases on every run, so a red run is replayed by running it again).
+settings.register_profile("dev", print_blob=True)
+settings.register_profile("ci", print_blob=True, derandomize=True)
+settings.load_profile("ci" if needs.in_ci() else "dev")
 
 
 class Block(nn.Module):

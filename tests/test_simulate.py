@@ -88,3 +88,18 @@ def test_vocab_parallel_embeddings_of_transformers_models_match_unsharded(name):
     states = {n: {"momentum_buffer": torch.randn_like(p) * 0.1} for n, p in model.named_parameters()}
     res = simulate(program, state, params, dict(model.named_buffers()), inputs, states)
     assert res.max_rel_diff < 1e-5 and res.replica_mismatch < 1e-6, res.diffs
+
+
+def test_the_sweep_replays_a_zero_plan_on_the_float64_step():
+    """The sweep's float64 verdict replays a plan's actions on the step captured in float64: ZeRO's moves
+    are actions too (`benchmarks/workloads/sweep.py`), and the replayed plan is the same plan."""
+    from benchmarks.workloads.sweep import _fp64_rel_diff, _replay
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = models.build("tiny-gpt2", device="cpu")
+    state = apply_schedule(capture(model, inputs, loss_fn, "adamw"), Mesh.parse("batch=2,model=2"),
+                           "batch:BatchParallel;model:Megatron;batch:ZeRO(1)")
+    again = _replay(state, state.program)
+    assert again is not None and again.shard == state.shard
+    diff = _fp64_rel_diff(state, model, inputs, loss_fn, "batch=2,model=2", 0)
+    assert diff is not None and diff <= 1e-9, diff

@@ -198,12 +198,14 @@ def _fp64_rel_diff(state, model, inputs, loss_fn, mesh: str, seed: int) -> float
     """The plan of `state` simulated on the same step captured in fp64 (None if that program's ops differ)."""
     import copy
 
+    from partir_torch.capture.precision import all_float64
     from partir_torch.rules.decompose import prepare
     from partir_torch.simulate import simulate
 
     m64 = copy.deepcopy(model).double()
     in64 = tuple(x.double() if x.is_floating_point() else x for x in inputs)
-    p64 = prepare(_capture(m64, in64, loss_fn, []), fallback=True)
+    with all_float64():  # the model's own casts too
+        p64 = prepare(_capture(m64, in64, loss_fn, []), fallback=True)
     p32 = state.program
     if [(o.target, o.outputs) for o in p64.ops] == [(o.target, o.outputs) for o in p32.ops] and [
             v.shape for v in p64.values] == [v.shape for v in p32.values]:
@@ -222,16 +224,12 @@ def _fp64_rel_diff(state, model, inputs, loss_fn, mesh: str, seed: int) -> float
 def _replay(state, program):
     """`state`'s actions applied to `program` (the same step in another dtype); None unless every value
     both programs name alike ends up with the same sharding."""
-    from partir_torch.ir import Replicate, Tile
     from partir_torch.propagate import ShardingState
 
     new = ShardingState(program, state.mesh)
-    for a in state.actions:
-        if isinstance(a, Tile | Replicate):
-            new.try_apply(a)
-        else:
-            with contextlib.suppress(PartirError):  # a move the replay already made (its tiles came first)
-                a.apply(new)
+    for a in state.actions:  # tiles, replications and ZeRO moves alike (a plan is its actions)
+        with contextlib.suppress(PartirError):  # one the other dtype's program does not take: checked below
+            new.apply(a)
     ours = {v.name: state.shard[v.id] for v in state.program.values}
     same = all(ours[v.name] == new.shard[v.id] for v in program.values if v.name in ours)
     return new if same else None

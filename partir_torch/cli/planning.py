@@ -49,11 +49,14 @@ def _request_key(args: argparse.Namespace) -> str:
 def _report(plan: ShardingPlan) -> str:
     """What `plan` prints for a plan (without --json), as one text: the request-level cache replays it."""
     lines = [plan.table()]
-    lines.append("at the memory peak: " + ", ".join(f"{n} ({r}) {b / 2**20:.1f} MiB"
+    from partir_torch.cost.hardware import format_bytes
+    from partir_torch.plan.table import episodes
+
+    lines.append("at the memory peak: " + ", ".join(f"{n} ({r}) {format_bytes(b)}"
                                                     for n, r, b in plan.cost["top_at_peak"][:5]))
     if plan.search:
         s = plan.search
-        lines.append(f"search: {s['algorithm']}, {s['episodes']} episodes, {s['evaluations']} evaluations in "
+        lines.append(f"search: {s['algorithm']}, {episodes(s)}, {s['evaluations']} evaluations in "
                      f"{s['time_s']:.1f} s ({s['evaluations_per_s']:.0f}/s; propagation "
                      f"{s['propagation_time_s']:.1f} s, cost {s['cost_time_s']:.1f} s)")
         for e in s["per_axis"]:

@@ -5,18 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from partir_torch.errors import PartirError
-
-if TYPE_CHECKING:
-    pass
-
-
-def _fmt_bytes(n: float) -> str:
-    from partir_torch.cost.hardware import format_bytes
-
-    return format_bytes(n)
 
 
 def _fmt_count(n: int) -> str:
@@ -48,6 +39,8 @@ def _print_capture(s: dict[str, Any], top: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from partir_torch.cost.hardware import format_bytes
+
     con = Console()
     con.print(
         f"[bold]{s['model']}[/]: {s['mode']} step, optimizer {s['optimizer']}, captured in "
@@ -55,12 +48,13 @@ def _print_capture(s: dict[str, Any], top: int) -> None:
         f"({', '.join(f'{k} {v}' for k, v in s['ops_by_phase'].items())}), "
         f"{s['values']} values"
     )
-    con.print(f"parameters: {_fmt_count(s['params'])} in {s['param_tensors']} tensors, {_fmt_bytes(s['param_bytes'])}")
+    con.print(f"parameters: {_fmt_count(s['params'])} in {s['param_tensors']} tensors, "
+              f"{format_bytes(s['param_bytes'])}")
     t = Table(title="values by role")
     for c in ("role", "count", "bytes"):
         t.add_column(c, justify="right" if c != "role" else "left")
     for role, n in s["values_by_role"].items():
-        t.add_row(role, str(n), _fmt_bytes(s["bytes_by_role"][role]))
+        t.add_row(role, str(n), format_bytes(s["bytes_by_role"][role]))
     con.print(t)
     t = Table(title=f"ops by aten target (top {top} of {len(s['ops_by_target'])})")
     t.add_column("aten op")
@@ -122,6 +116,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     import partir_torch.search  # noqa: F401  (the search's actions and Auto, read from a plan's decisions)
     from partir_torch import workload
     from partir_torch.capture import capture, optimizer_spec
+    from partir_torch.cost.hardware import format_bytes
     from partir_torch.ir import Mesh
     from partir_torch.lower import summarize
     from partir_torch.plan import ShardingPlan, specs
@@ -206,7 +201,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         counts[(c.kind, c.axis)] = counts.get((c.kind, c.axis), 0) + 1
     for kind, axes in out["comm_bytes"].items():
         for axis, b in axes.items():
-            t.add_row(kind, axis, str(counts[(kind, axis)]), _fmt_bytes(b))
+            t.add_row(kind, axis, str(counts[(kind, axis)]), format_bytes(b))
     con.print(t)
     sharded = {n: spec for n, spec in out["params"].items() if any(spec)}
     con.print(f"{len(sharded)} of {len(out['params'])} parameters sharded; {len(state.conflicts)} propagation "

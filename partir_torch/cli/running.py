@@ -94,7 +94,9 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> None:
     plan = model.partir_plan
     say(plan.table())
     if plan.search:
-        say(f"search: {plan.search['episodes']} episodes in {plan.search['time_s']:.1f} s; auto_shard took "
+        from partir_torch.plan.table import episodes
+
+        say(f"search: {episodes(plan.search)} in {plan.search['time_s']:.1f} s; auto_shard took "
             f"{time.perf_counter() - t0:.1f} s in all")
     if args.out and rank == 0:
         plan.save(args.out)

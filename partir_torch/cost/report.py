@@ -73,18 +73,19 @@ class CostReport:
         }
 
     def __str__(self) -> str:
-        gib = 2**30
-        comm = ", ".join(f"{k} {sum(v.values()) / 2**20:.1f} MiB" for k, v in self.comm_bytes.items()) or "none"
+        from partir_torch.cost.hardware import format_bytes as fmt
+
+        comm = ", ".join(f"{k} {fmt(sum(v.values()))}" for k, v in self.comm_bytes.items()) or "none"
         by_axis = ", ".join(f"{a} {t * 1e3:.2f} ms" for a, t in self.comm_time_by_axis.items()) or "-"
         lines = [
             f"step {self.step_time_s * 1e3:.2f} ms = compute {self.compute_time_s * 1e3:.2f} ms + communication "
             f"{self.comm_time_s * 1e3:.2f} ms ({by_axis})",
             f"communication per device: {comm}",
-            f"peak memory per device {self.peak_memory_bytes / gib:.2f} GiB of {self.memory_limit / gib:.1f} GiB"
+            f"peak memory per device {fmt(self.peak_memory_bytes)} of {fmt(self.memory_limit)}"
             f" ({'fits' if self.feasible else 'DOES NOT FIT'}): "
-            + ", ".join(f"{r} {b / gib:.2f}" for r, b in sorted(self.memory_by_role.items(), key=lambda kv: -kv[1])),
+            + ", ".join(f"{r} {fmt(b)}" for r, b in sorted(self.memory_by_role.items(), key=lambda kv: -kv[1])),
         ]
-        lines += [f"  {n} ({r}) {b / 2**20:.1f} MiB" for n, r, b in self.top_at_peak[:5]]
+        lines += [f"  {n} ({r}) {fmt(b)}" for n, r, b in self.top_at_peak[:5]]
         return "\n".join(lines)
 
 

@@ -105,3 +105,14 @@ def table(plan: Any, top: int = 20) -> str:
         lines.append(f"plan from the cache ({plan.cache['level']} key {plan.cache['key']}, {plan.cache['file']}); "
                      "--no-cache (cache=False) plans again")
     return "\n".join(lines)
+
+
+def episodes(search: dict) -> str:
+    """The tree episodes a search ran, and why that is not its episode budget: the budget's last shares go to
+    the refinement (local search from the best plans and the expert composites, counted in evaluations), and
+    a tree stops early once every state of its axes is explored."""
+    n, budget = search["episodes"], (search.get("budget") or {}).get("episodes")
+    if budget is None or n >= budget:
+        return f"{n} episodes"
+    return (f"{n} tree episodes of a {budget}-episode budget (the rest refines the best plans and the expert "
+            "composites, or the trees ran out of states)")

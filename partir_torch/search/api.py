@@ -303,7 +303,7 @@ def plan_program(program, mesh, tactics: list, config: SearchConfig, *, schedule
     state = apply_schedule(program, mesh, tactics, context=context, fallback=fallback)
     report = evaluate(state, config.hw, dcn_axes=config.dcn_axes, memory_limit=config.memory_limit)
     plan = ShardingPlan.from_state(state, report, schedule=schedule, hardware=config.hw.name,
-                                   dcn_axes=config.dcn_axes, search=summarize_log(context.log))
+                                   dcn_axes=config.dcn_axes, search=summarize_log(context.log, config.budget))
     plan.blocked = blocked_axes(state)
     if key is not None:
         plan_cache.write("plans", key, {"plan": plan.to_json()})
@@ -321,11 +321,13 @@ def _warn_small_budget(config: SearchConfig, entries: list[dict], elapsed: float
                   f"time (e.g. --budget {max(10, math.ceil(20 * elapsed))}s) or a number of episodes", stacklevel=4)
 
 
-def summarize_log(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+def summarize_log(entries: list[dict[str, Any]], budget: Budget | None = None) -> dict[str, Any] | None:
     if not entries:
         return None
     keys = ("episodes", "states", "evaluations", "time_s", "propagation_time_s", "cost_time_s")
     out: dict[str, Any] = {k: sum(e[k] for e in entries) for k in keys}
+    if budget is not None:
+        out["budget"] = {"episodes": budget.episodes, "seconds": budget.seconds}
     out["evaluations_per_s"] = out["evaluations"] / out["time_s"] if out["time_s"] else 0.0
     out["algorithm"] = entries[0]["algorithm"]
     if any(e.get("interrupted") for e in entries):
