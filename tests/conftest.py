@@ -87,6 +87,7 @@ def pytest_runtest_setup(item) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """One line: which environment ran how many tests (`./dev test` runs two)."""
+    import importlib.metadata
     import importlib.util
 
     stats = terminalreporter.stats
