@@ -64,18 +64,19 @@ def choose_backend(backend: str | None) -> str:
     return backend
 
 
-XLA_INSTALL = ("torch_xla 2.9 (its last release) needs torch 2.9.0 on Python 3.11: from a checkout, `./dev setup "
-               "xla` makes that environment (.venv-xla); elsewhere, in a Python 3.11 environment, "
-               "`pip install 'partir_torch[xla]'`")
-
-
 def require_xla() -> None:
     """The torch_xla backend's environment, or the command that makes it."""
     import importlib.util
 
-    if importlib.util.find_spec("torch_xla") is None:
+    from partir_torch.backends.xla.runtime import INSTALL
+
+    try:
+        found = importlib.util.find_spec("torch_xla") is not None
+    except ValueError:  # (a module entry set to None: treated as not installed, as import is)
+        found = False
+    if not found:
         raise PartirError(f"backend='xla' needs torch_xla, which is not installed (torch {torch.__version__}). "
-                          f"{XLA_INSTALL}. The torch backend (backend='torch', the default) needs nothing more.")
+                          f"{INSTALL}. The torch backend (backend='torch', the default) needs nothing more.")
 
 
 def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,

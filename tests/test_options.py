@@ -59,10 +59,10 @@ def test_lightning_takes_every_option_auto_shard_takes():
     """The strategy used to copy seven options by hand (no `cache`, no `progress`): now it holds an `Options`."""
     from partir_torch.lightning import AutoShardStrategy
 
-    s = AutoShardStrategy("batch=2", backend="xla", budget=7, cache=False, progress=False, goal="zero")
+    s = AutoShardStrategy("batch=2", budget=7, cache=False, progress=False, goal="zero")  # (the torch backend's)
     assert s.options == Options(budget=7, cache=False, progress=False, goal="zero")
     with pytest.raises(PartirError, match="did you mean 'memory'"):
-        AutoShardStrategy("batch=2", backend="xla", memroy="1GiB")
+        AutoShardStrategy("batch=2", memroy="1GiB")
 
 
 def test_find_plan_takes_an_options_object_or_its_keywords_alike():
@@ -76,3 +76,16 @@ def test_find_plan_takes_an_options_object_or_its_keywords_alike():
     assert a.to_json()["params"] == b.to_json()["params"] and a.schedule == b.schedule == "batch:BatchParallel"
     with pytest.raises(PartirError, match="did you mean 'schedule'"):
         partir_torch.find_plan(model, inputs, "batch=2", loss_fn=loss_fn, schedul="batch:BatchParallel")
+
+
+def test_the_default_backend_is_torch_and_xla_without_torch_xla_says_how_to_get_it(monkeypatch):
+    import importlib.util
+
+    from partir_torch.api import choose_backend
+
+    assert choose_backend(None) == "torch"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch_xla" else object())
+    with pytest.raises(PartirError, match=r"backend='xla' needs torch_xla, .*\./dev setup xla.*torch-xla==2\.9\.0"):
+        choose_backend("xla")
+    with pytest.raises(PartirError, match=r"backend must be one of 'torch', 'xla', got 'tpu'"):
+        choose_backend("tpu")

@@ -18,7 +18,10 @@ from partir_torch.ir.mesh import Mesh
 log = logging.getLogger(__name__)
 
 
-INSTALL = "pip install 'torch==2.9.0' 'torch-xla==2.9.0' (the pair must match; ./dev setup installs it)"
+# torch_xla 2.9 is its last release and needs exactly its torch twin (`api.require_xla` says it before a call)
+INSTALL = ("torch_xla 2.9 (its last release) needs torch 2.9.0 on Python 3.11: from a checkout, `./dev setup xla` "
+           "makes that environment (.venv-xla); elsewhere, in a Python 3.11 environment, "
+           "`pip install 'partir_torch[xla]'` (torch==2.9.0, torch-xla==2.9.0)")
 
 
 class XlaError(PartirError):
@@ -31,7 +34,7 @@ def _xla():
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
     except ImportError as e:
-        raise XlaError(f"torch_xla is not installed ({e}); install the pinned pair: {INSTALL}") from e
+        raise XlaError(f"torch_xla is not installed ({e}). {INSTALL}") from e
     return torch_xla, xs, xr
 
 
