@@ -341,7 +341,9 @@ def test_train_passes_no_cache_to_auto_shard(monkeypatch, capsys):
         seen.update(kwargs)
         raise PartirError("stub: stop before applying")
 
-    monkeypatch.setattr(partir_torch, "start_runtime", lambda mesh: None)
+    from partir_torch import launch
+
+    monkeypatch.setattr(launch, "spawn", lambda fn, n, *args: fn(0, n, *args))  # the ranks' job, in this process
     monkeypatch.setattr(partir_torch, "auto_shard", stub)
     assert main(["train", "tiny-mlp", "--mesh", "batch=2", "--no-cache", "--steps", "1"]) == 2
     assert seen["options"].cache is False

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from partir_torch.backends.xla_worker import REL_FLOOR, max_relative
-from tests import needs
 
 
 def test_a_tensor_that_stays_about_zero_is_compared_against_the_floor_not_its_own_noise():
@@ -18,11 +17,11 @@ def test_a_tensor_that_stays_about_zero_is_compared_against_the_floor_not_its_ow
 
 
 @pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.xla
 def test_the_hlo_dump_is_deleted_once_read_unless_the_caller_keeps_it(tmp_path, monkeypatch, keep):
     """A step's dump is tens of MiB (the disk of an earlier CI run filled up with leftovers)."""
     import tempfile
 
-    needs.need("torch_xla")
     from partir_torch import models
     from partir_torch.backends import xla_worker
     from partir_torch.search import search
@@ -43,10 +42,10 @@ def test_the_hlo_dump_is_deleted_once_read_unless_the_caller_keeps_it(tmp_path, 
 
 
 @pytest.mark.parametrize("user_flags", ["", "--xla_cpu_enable_concurrency_optimized_scheduler=true"])
+@pytest.mark.xla
 def test_the_worker_compiles_as_the_user_s_process_does(tmp_path, monkeypatch, user_flags):
     """`verify` measures what users run: the worker starts its runtime as `auto_shard` does (XLA CPU's memory
     scheduler chosen) and keeps the caller's own `XLA_FLAGS` (a scheduler the user chose)."""
-    needs.need("torch_xla")
     from partir_torch import models
     from partir_torch.backends import xla_worker
     from partir_torch.search import search
