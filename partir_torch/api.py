@@ -167,22 +167,26 @@ def _backend_of(model: nn.Module) -> str | None:
     return None
 
 
-def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tensor, local: bool = False
-         ) -> torch.Tensor:
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tensor, local: bool = False,
+         accumulate: int | None = None) -> torch.Tensor:
     """One training step of a model `auto_shard` sharded, on the global batch (every rank passes all of it;
     `local=True`: each rank passes its own part as the plan splits it, torch backend only); returns the loss,
-    a scalar tensor. On the torch backend the step is the plan's rank program; on XLA, the plain loop."""
+    a scalar tensor. On the torch backend the step is the plan's rank program; on XLA, the plain loop.
+    `accumulate=k` (torch backend): the batch's rows in k microbatches, their gradients averaged, one update
+    (the default: `Options.accumulate`, what the plan was made for); a batch of another shape than the example
+    runs the same plan made again for it, kept for the next."""
     which = _backend_of(model)
     if which is None:
         raise PartirError(f"{type(model).__name__} is not sharded: call partir_torch.auto_shard first")
     if which == "torch":
-        from partir_torch.backends.distributed import engine
+        from partir_torch.backends.distributed import steps
 
-        return engine.step(model, optimizer, *batch, local=local)
+        return steps.step(model, optimizer, *batch, local=local, accumulate=accumulate)
     from partir_torch.backends import xla
 
-    if local:
-        raise PartirError("local=True is the torch backend's; on XLA pass the global batch")
+    if local or accumulate not in (None, 1):
+        raise PartirError("local=True and accumulate= are the torch backend's; on XLA pass the global batch, and "
+                          "accumulate in your loop")
     rec = xla.sharded(model)
     return xla.train_step(model, optimizer, rec.loss_fn, batch)
 

@@ -296,11 +296,11 @@ class TorchAutoShardStrategy(DDPStrategy):
                          f"{self.plan.table()}")
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        from partir_torch.backends.distributed import engine
+        from partir_torch.backends.distributed import steps
 
         leaves, _ = _compat.pytree.tree_flatten(args[0])
         module = self.lightning_module
-        loss = engine.step(module, self.optimizers[0], *(leaves[i] for i in self._tensors))
+        loss = steps.step(module, self.optimizers[0], *(leaves[i] for i in self._tensors))
         module.log("loss", loss, prog_bar=True)  # (the module's own training_step, and its logging, ran at capture)
         return loss
 

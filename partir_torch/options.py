@@ -65,6 +65,13 @@ class Options:
                                          "data-dependent checks they skip under torch.compile (HF transformers' "
                                          "SDPA attention-mask check)")
     devices: int | None = _opt(None, "the device count the mesh must span (checked before the capture)")
+    # the training loop's asks, in the planned step (its memory and collectives costed with them)
+    accumulate: int = _opt(1, "microbatches per step: the batch's rows in this many, run one after another, their "
+                              "gradients averaged before one update (a step's memory is one microbatch's)")
+    max_grad_norm: float | None = _opt(None, "clip the gradients by their global 2-norm before the update, as "
+                                             "torch.nn.utils.clip_grad_norm_ (over every shard)", metavar="NORM")
+    max_grad_value: float | None = _opt(None, "clip each gradient element to [-v, v] before the update, as "
+                                              "torch.nn.utils.clip_grad_value_", metavar="V")
     # ablations (benchmarks/search.py): no propagation-based pruning of actions / no per-axis goals
     prune: bool = _opt(True, "ablation: offer every syntactically possible action", flag="")
     goals: bool = _opt(True, "ablation: one joint tree for the plain step time", flag="")
@@ -74,6 +81,12 @@ class Options:
             raise PartirError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         if self.progress not in (None, True, False, "bar", "lines"):
             raise PartirError(f"progress must be None, True, False, 'bar' or 'lines', got {self.progress!r}")
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise PartirError(f"accumulate must be a whole number of microbatches >= 1, got {self.accumulate!r}")
+        for name in ("max_grad_norm", "max_grad_value"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool) and v > 0):
+                raise PartirError(f"{name} must be a positive number (None: no clipping), got {v!r}")
 
     @classmethod
     def of(cls, options: Options | None = None, **overrides: Any) -> Options:
@@ -108,7 +121,7 @@ def add_flags(parser: argparse.ArgumentParser, only: Iterable[str] | None = None
         elif f.default is False:
             parser.add_argument(flag, dest=f.name, action="store_true", help=help)
         else:
-            kind = int if f.type in ("int", "int | None") else None
+            kind = {"int": int, "int | None": int, "float | None": float}.get(f.type)
             parser.add_argument(flag, dest=f.name, default=f.default, type=kind, choices=meta["choices"],
                                 metavar=meta["metavar"], help=help)
 

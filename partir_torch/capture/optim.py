@@ -375,7 +375,8 @@ def optimizer_spec(
             )
         return OptimizerSpec(kind, {n: {**_DEFAULTS[kind], "group": 0} for n, p in named_params.items()
                                    if p.requires_grad})
-    kind = _BY_CLASS.get(type(optimizer))
+    # (a subclass is its torch.optim class: the torch backend's rebuilt `PlannedAdamW` is an AdamW)
+    kind = next((_BY_CLASS[c] for c in type(optimizer).__mro__ if c in _BY_CLASS), None)
     cls = type(optimizer).__name__
     if kind is None:
         raise UnsupportedOptimizerError(

@@ -35,11 +35,12 @@ from partir_torch.capture.explain import CompiledPathError, data_dependent, expl
 from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
 from partir_torch.capture.isolation import ModelState
-from partir_torch.capture.opaque import OpaqueModules, OutputShapeVaries
+from partir_torch.capture.loop import accumulated, clipped, stacked_shape
+from partir_torch.capture.opaque import TENSOR, OpaqueModules, OutputShapeVaries
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
 from partir_torch.capture.rewrites import Rewrites
 from partir_torch.errors import CaptureError
-from partir_torch.ir.program import Group, Program, Role
+from partir_torch.ir.program import Group, Loop, Program, Role
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ def capture(
     assume_compiling: bool = False,
     fallback: bool = False,
     sources: bool = True,
+    loop: Loop | None = None,
     _strict: bool = True,
     _compiled_path: bool = True,
 ) -> Program:
@@ -77,21 +79,24 @@ def capture(
     `sources=False` records no stack traces, so ops carry no user source line (`Op.source`): tracing is
     faster by torch's one-time set-up of stack filtering (half a second); the plan command captures so and
     captures again with sources when an error should name a line.
+    `loop` (`ir.Loop`): microbatches accumulated and gradients clipped inside the step (`capture/loop.py`); with
+    `accumulate=k` the program's inputs are the example inputs stacked `[k, b, ...]`.
     """
     if assume_compiling:
         with _compiling():
             program = capture(model, example_inputs, loss_fn, optimizer, mode=mode, fold=fold, fallback=fallback,
-                              sources=sources, _strict=_strict)
+                              sources=sources, loop=loop, _strict=_strict)
         program.compiling = True  # (a backend runs the forward so too: the same path as captured)
         return program
     if _compiled_path and not torch.compiler.is_compiling():
         try:
             return capture(model, example_inputs, loss_fn, optimizer, mode=mode, fold=fold, fallback=fallback,
-                           sources=sources, _strict=_strict, _compiled_path=False)
+                           sources=sources, loop=loop, _strict=_strict, _compiled_path=False)
         except CompiledPathError as first:  # libraries skip such checks when compiled (HF's padding, SDPA mask)
             try:
                 program = capture(model, example_inputs, loss_fn, optimizer, mode=mode, fold=fold, fallback=fallback,
-                                  sources=sources, assume_compiling=True, _strict=_strict)
+                                  sources=sources, assume_compiling=True, loop=loop,
+                                  _strict=_strict)
             except CaptureError:
                 raise first from None
             warnings.warn("capture took the library's compiled path (as with assume_compiling=True: "
@@ -99,7 +104,7 @@ def capture(
                           f"{str(first).split(': capture traces')[0]}", stacklevel=2)
             return program
     if fold:
-        program = _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback, sources)
+        program = _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback, sources, loop)
         if program is not None:
             return program
     t0 = time.perf_counter()
@@ -118,6 +123,9 @@ def capture(
             "only, ask for it with mode='inference' (CLI --inference)"
         )
     mode = mode or "train"
+    loop = loop or Loop()
+    if mode == "inference" and loop != Loop():
+        raise CaptureError(f"a forward pass has no gradients to accumulate or clip ({loop}); capture mode='train'")
     if mode not in ("train", "inference"):
         raise CaptureError(f"mode must be 'train' or 'inference', got {mode!r}")
     if mode == "train" and loss_fn is None:
@@ -144,7 +152,7 @@ def capture(
     for n in updated:
         p = params[n]
         flat_meta += [(shapes[n][s], p.dtype) for s in states[n]]
-    flat_meta += [(tuple(x.shape), x.dtype) for x in inputs]
+    flat_meta += [(stacked_shape(tuple(x.shape), loop, i), x.dtype) for i, x in enumerate(inputs)]
     # tensor constants in the model become graph constants
     fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
@@ -156,6 +164,7 @@ def capture(
     n_s = len(shared) + len(hypers) + sum(len(s) for s in states.values())
     tracker = ModuleTracker(model)
     input_args: list[int | str | None] = [None] * len(inputs)  # where each input enters model.forward
+    out_tree: list = []  # inference: the forward's output structure, its tensors marked (an engine rebuilds it)
 
     def step(*flat: torch.Tensor) -> list[torch.Tensor]:
         p_vals = dict(zip(names, flat[:n_p]))
@@ -169,18 +178,20 @@ def capture(
             with _reparametrize_module(model, {**p_vals, **b_vals}, tie_weights=True), \
                     ForwardArgs(model, xs, input_args):
                 out = model(*xs)
-            leaves = [t for t in _compat.pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            flat, tree = _compat.pytree.tree_flatten(out)
+            out_tree[:] = [(tree, tuple(TENSOR if isinstance(t, torch.Tensor) else t for t in flat))]
+            leaves = [t for t in flat if isinstance(t, torch.Tensor)]
             if not leaves:
                 raise CaptureError("the model returned no tensor")
             return leaves
 
         # Buffers go in as an argument of the differentiated function: torch.func lets it mutate those
         # (BatchNorm's running statistics); functionalization then turns each mutation into an output.
-        def loss_of(train_vals: list[torch.Tensor], buf_vals: dict[str, torch.Tensor]) -> torch.Tensor:
+        def loss_of(train_vals: list[torch.Tensor], buf_vals: dict[str, torch.Tensor], mb) -> torch.Tensor:
             values = {**p_vals, **dict(zip(trainable, train_vals)), **buf_vals}
             with _reparametrize_module(model, values, tie_weights=True), \
-                    ForwardArgs(model, xs, input_args):
-                loss = loss_fn(model, *xs)
+                    ForwardArgs(model, mb, input_args):
+                loss = loss_fn(model, *mb)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise CaptureError(f"loss_fn must return a scalar tensor, got {shape}; reduce it with .mean() or "
@@ -188,16 +199,18 @@ def capture(
             tag_backward(loss)
             return loss.reshape(())
 
-        if by_autograd:  # torch.func cannot differentiate a custom op or an old-style autograd.Function
-            leaves = [p_vals[n].detach().requires_grad_() for n in trainable]
-            with torch.enable_grad():
-                loss = loss_of(leaves, b_vals)
-                got = torch.autograd.grad(loss, leaves, allow_unused=True) if leaves else ()
-            grads_l = [g if g is not None else torch.zeros_like(x) for g, x in zip(got, leaves)]
-            loss = loss.detach()
-        else:
-            grads_l, loss = torch.func.grad_and_value(loss_of)([p_vals[n] for n in trainable], b_vals)
-        grads = dict(zip(trainable, grads_l))
+        def one(mb) -> tuple[list[torch.Tensor], torch.Tensor]:
+            if by_autograd:  # torch.func cannot differentiate a custom op or an old-style autograd.Function
+                leaves = [p_vals[n].detach().requires_grad_() for n in trainable]
+                with torch.enable_grad():
+                    loss = loss_of(leaves, b_vals, mb)
+                    got = torch.autograd.grad(loss, leaves, allow_unused=True) if leaves else ()
+                return [g if g is not None else torch.zeros_like(x) for g, x in zip(got, leaves)], loss.detach()
+            grads_l, loss = torch.func.grad_and_value(loss_of)([p_vals[n] for n in trainable], b_vals, mb)
+            return list(grads_l), loss
+
+        grads_l, loss = accumulated(one, xs, loop)
+        grads = dict(zip(trainable, clipped(grads_l, loop)))
         new_shared = spec.advance(shared_vals) if updated else {}
         new_params, new_states, cache = [], [new_shared[s] for s in shared], {}
         for n in updated:
@@ -293,6 +306,8 @@ def capture(
             k += 1
     program.inputs = list(range(k, k + len(inputs)))
     program.input_args = input_args
+    program.loop = loop
+    program.out_tree = out_tree[0] if out_tree else None
     if mode == "train":
         program.loss = program.outputs[0]
         program.grads = {n: program.outputs[1 + i] for i, n in enumerate(trainable)}
@@ -370,8 +385,8 @@ def _compiling():
 aten = torch.ops.aten
 
 
-def _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback=False, sources=True
-                    ) -> Program | None:
+def _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback=False, sources=True,
+                    loop: Loop | None = None) -> Program | None:
     """The folded capture (`capture/fold.py`), container by container: if the model with every repeated
     container cut to two cannot be captured (its forward indexes a block by number, or pops a stack of skip
     connections once per block), the containers are tried one at a time, the one holding the most
@@ -390,7 +405,7 @@ def _capture_folded(model, example_inputs, loss_fn, optimizer, mode, fallback=Fa
             return None, None
         try:
             program = capture(view, example_inputs, loss_fn, optimizer, mode=mode, fallback=fallback, sources=sources,
-                              _strict=False)
+                              loop=loop, _strict=False)
         except CaptureError as e:
             return None, e
         program.fold = rep

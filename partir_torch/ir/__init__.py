@@ -2,8 +2,8 @@
 
 from partir_torch.ir.actions import Action, Replicate, ShardOptimizer, Tile, TileLate, parse_action
 from partir_torch.ir.mesh import Mesh
-from partir_torch.ir.program import Group, Op, Phase, Program, Ref, Role, Value
+from partir_torch.ir.program import Group, Loop, Op, Phase, Program, Ref, Role, Value
 from partir_torch.ir.sharding import Sharding
 
-__all__ = ["Action", "Group", "Mesh", "Op", "Phase", "Program", "Ref", "Replicate", "Role", "ShardOptimizer",
+__all__ = ["Action", "Group", "Loop", "Mesh", "Op", "Phase", "Program", "Ref", "Replicate", "Role", "ShardOptimizer",
            "Sharding", "Tile", "TileLate", "Value", "parse_action"]

@@ -116,6 +116,34 @@ class Group:
         return f"group {self.id} {self.key} x{len(self.params)} {list(self.shape)}"
 
 
+@dataclass(frozen=True)
+class Loop:
+    """What a training loop asks of the step beyond one forward, backward and update: `accumulate` microbatches
+    (each input's dim 0 split in that many, in order; their gradients averaged before one update, as k calls of
+    `(loss / k).backward()` leave them), the gradients clipped by their global 2-norm (as
+    `torch.nn.utils.clip_grad_norm_` clips them) or by value (`clip_grad_value_`) before the update."""
+
+    accumulate: int = 1
+    max_grad_norm: float | None = None
+    max_grad_value: float | None = None
+
+    def __post_init__(self) -> None:
+        from partir_torch.errors import PartirError
+
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise PartirError(f"accumulate must be a whole number of microbatches >= 1, got {self.accumulate!r}")
+        for name in ("max_grad_norm", "max_grad_value"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int | float) and v > 0):
+                raise PartirError(f"{name} must be a positive number (or None: no clipping), got {v!r}")
+
+    def __str__(self) -> str:
+        parts = [f"accumulate={self.accumulate}"] if self.accumulate > 1 else []
+        parts += [f"{k}={v:g}" for k, v in (("max_grad_norm", self.max_grad_norm),
+                                              ("max_grad_value", self.max_grad_value)) if v is not None]
+        return ", ".join(parts) or "one step"
+
+
 @dataclass(eq=False)
 class Program:
     """A whole training step (or a forward pass) as one functional aten program."""
@@ -141,6 +169,9 @@ class Program:
     n_graph_outputs: int = 0  # outputs beyond these are functionalized buffer mutations
     capture_time_s: float = 0.0
     compiling: bool = False  # traced with torch.compiler.is_compiling() true (capture's assume_compiling)
+    loop: Loop = field(default_factory=Loop)  # microbatches and clipping in the step (inputs: [k, b, ...] if k > 1)
+    # inference: (the pytree spec of the forward's output, its leaves with each tensor as `capture.opaque.TENSOR`)
+    out_tree: object | None = field(default=None, repr=False)
     fold: dict[str, int] = field(default_factory=dict)  # folded container path -> its full length (capture/fold.py)
     graph_module: torch.fx.GraphModule | None = field(default=None, repr=False)
     _users: list[tuple[int, ...]] | None = field(default=None, repr=False)

@@ -105,3 +105,11 @@ def fits(state: ShardingState, v: int, dim: int, axis: str) -> bool:
     if axis in sh.axes or axis in state.locked[v]:
         return False
     return divides(val.shape[dim], state.mesh, (*sh.dims[dim], axis))
+
+
+def hold_split(state: ShardingState, axis: str, dims: dict[str, int]) -> None:
+    """Parameters stored tiled on `axis` (`dims`: parameter -> dim) and gathered where they are read, as stage 3
+    holds them, in a program without optimizer states (the forward of a plan with a ZeRO-3 move)."""
+    _fence(state, ShardOptimizer("*", -1, axis, 3), list(dims))
+    for name, d in dims.items():
+        state.apply(Tile(name, d, axis))

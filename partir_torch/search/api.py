@@ -251,8 +251,10 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", opti
     schedule = opts.schedule
     tactics = parse_schedule(schedule, mesh) if isinstance(schedule, str) else list(schedule or [Auto(goal=opts.goal)])
     fallback = opts.fallback or wants_fallback(schedule)
+    from partir_torch.capture.loop import loop_of
+
     program = capture(model, example_inputs, loss_fn, optimizer, fold=opts.fold, mode=mode, fallback=fallback,
-                      assume_compiling=opts.assume_compiling)
+                      assume_compiling=opts.assume_compiling, loop=loop_of(opts) if mode != "inference" else None)
     text = schedule if isinstance(schedule, str) else ";".join(t.text() for t in tactics)
     plan, _ = plan_program(program, mesh, tactics, config, schedule=text, fallback=fallback, cache=opts.cache,
                            options={"fold": opts.fold, "mode": mode})

@@ -10,11 +10,9 @@ What `apply` does to the user's model, undone by `unshard(model)`:
    creates them and sharded as the plan says (`optimizer.state_dict()` holds DTensors);
 3. the rank program (`rank.RankProgram`) of the plan's state is traced to one FX graph, and compiled with
    `torch.compile` when asked.
-`step(model, optimizer, *batch)` passes the local shards of parameters, buffers, states and of the global
-batch (or the rank's own part, `local=True`) to the graph and writes the updated values back in place; it
-returns the loss, a replicated scalar. The gradients are the graph's temporaries: `param.grad` stays None.
-The plain loop is refused with an error naming `partir_torch.step` (the model's forward, and the optimizer's
-`step`): it would run DTensor's own partitioning, not the plan.
+`steps.step` runs it (and the plan's other programs: the model's forward, other batch shapes, microbatches).
+The gradients are the graph's temporaries: `param.grad` stays None. The optimizer's own `step` is refused with
+an error naming `partir_torch.step`: it would run DTensor's own partitioning, not the plan.
 """
 
 from __future__ import annotations
@@ -32,6 +30,8 @@ from partir_torch.backends.common import initial_states, rebuild_optimizer, slot
 from partir_torch.backends.distributed.rank import RankProgram, trace
 from partir_torch.backends.distributed.reshard import Exchange
 from partir_torch.backends.distributed.runtime import DistributedError, RankMesh
+from partir_torch.backends.distributed.variants import Built, Variant
+from partir_torch.capture.loop import stack
 from partir_torch.capture.optim import SCHEDULER_KEYS, OptimizerSpec
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Program
@@ -86,8 +86,11 @@ class Sharded:
     optimizer: torch.optim.Optimizer | None = None
     compiled: bool = False
     steps: int = 0
-    hook: Any = None  # the root's forward pre-hook (`_no_plain_forward`)
     hyper: list[dict[str, Any]] = field(default_factory=list)  # each param group's hyperparameters, as captured
+    loss_fn: Any = None  # the step's loss (a variant of the step is captured with it)
+    fallback: bool = False
+    variants: dict[Variant, Built] = field(default_factory=dict)  # the plan's other programs (`variants.py`)
+    batch_checked: bool = False  # the ranks compared their first global batch
 
 
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, Sharded] = weakref.WeakKeyDictionary()
@@ -115,7 +118,7 @@ def _broadcast(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan, state: ShardingState,
-          rank_mesh: RankMesh, *, compile: bool = False) -> torch.optim.Optimizer:
+          rank_mesh: RankMesh, *, compile: bool = False, loss_fn=None, fallback: bool = False) -> torch.optim.Optimizer:
     """Shard `model` and rebuild `optimizer` as `plan` (whose state is `state`) says, on this rank; on any
     failure the model is as it was and the caller's optimizer untouched. Returns the new optimizer."""
     from torch.distributed.tensor import DTensor
@@ -132,7 +135,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
     names = {id(p): n for n, p in model.named_parameters()}
     bnames = {id(b): n for n, b in model.named_buffers()}
     rec = Sharded(plan, state, rm, RankProgram(state, Exchange(mesh, rm.coord, rm.groups)), None,
-                  [(m, a, t) for m, a, t, _ in every], names)
+                  [(m, a, t) for m, a, t, _ in every], names, loss_fn=loss_fn, fallback=fallback)
     try:
         made: dict[int, torch.Tensor] = {}
         for mod, attr, t, is_param in every:
@@ -154,9 +157,8 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
         _same_generator(rm)
         local = rank_inputs(rec, model, opt, None, probe=True)
         gm = trace(rec.program, local)
-        rec.graph = _compiled(gm) if compile else gm
+        rec.graph = compiled(gm) if compile else gm
         rec.compiled = compile
-        rec.hook = model.register_forward_pre_hook(_no_plain_forward)
     except BaseException:
         for mod, attr, t in rec.originals:
             setattr(mod, attr, t)
@@ -186,18 +188,10 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _compiled(gm):
+def compiled(gm):
     """The rank graph through `torch.compile` (inductor), its random ops drawing as eager does."""
     _compat.inductor_config.fallback_random = True  # the rank draws the unsharded step's numbers (`rank.py`)
     return torch.compile(gm, backend="inductor", dynamic=False)
-
-
-def _no_plain_forward(module: nn.Module, args: Any) -> None:
-    """The sharded model's own forward would run DTensor's partitioning (and fails on plain tensors)."""
-    raise DistributedError(f"{type(module).__name__} is sharded by partir_torch on torch.distributed: its parameters "
-                           "are DTensors that only the plan's rank program runs. Train with `loss = "
-                           "partir_torch.step(model, optimizer, *batch)`; to run the model's own forward (evaluation, "
-                           "export), call partir_torch.unshard(model) first")
 
 
 class _PlannedStep:
@@ -233,11 +227,11 @@ def _shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rec: Sh
                     shape=t.shape, stride=_contiguous_stride(t.shape))
             new.state[p] = st
     rec.optimizer = new
-    rec.hyper = [_hyper(g) for g in new.param_groups]
+    rec.hyper = [hyper_of(g) for g in new.param_groups]
     return new
 
 
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+def hyper_of(group: dict[str, Any]) -> dict[str, Any]:
     """A group's hyperparameters the rank program holds as constants: all but the lr (an input of the step)
     and what LR schedulers keep beside it."""
     return {k: v for k, v in group.items() if k not in _NOT_CONSTANT and isinstance(v, (int, float, tuple, bool))}
@@ -250,13 +244,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def rank_inputs(rec: Sharded, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence[torch.Tensor] | None,
-            *, probe: bool = False, local: bool = False) -> list[torch.Tensor]:
-    """The rank graph's inputs, in `Program._placeholder_sources` order (with `probe`, the batch as empty
-    tensors of its local shapes: for tracing)."""
-    prog, state, rm = rec.state.program, rec.state, rec.rank_mesh
+def rank_inputs(rec: Sharded, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                batch: Sequence[torch.Tensor] | None, *, probe: bool = False, local: bool = False,
+                state: ShardingState | None = None) -> list[torch.Tensor]:
+    """The rank graph's inputs for the program of `state` (default: the planned step), in
+    `Program._placeholder_sources` order (with `probe`, the batch as empty tensors of its local shapes: for
+    tracing)."""
+    state = state or rec.state
+    prog, rm = state.program, rec.rank_mesh
     params = dict(model.named_parameters())
-    by_name = {n: optimizer.state[p] for n, p in params.items() if p in optimizer.state}
+    by_name = {n: optimizer.state[p] for n, p in params.items() if optimizer is not None and p in optimizer.state}
     out = []
     for (kind, key, sub), vid in zip(prog._placeholder_sources(), prog._placeholder_ids()):
         if kind == "param":
@@ -274,8 +271,8 @@ def rank_inputs(rec: Sharded, model: nn.Module, optimizer: torch.optim.Optimizer
                                    device=rm.device))
         else:
             # row-major, as the capture's example inputs were: the program may `view` them (a sliced batch,
-            # `data[:, :-1]`, or a rank's slice of an inner dim is not)
-            x = batch[key].to(rm.device)
+            # `data[:, :-1]`, or a rank's slice of an inner dim is not); microbatches stacked [k, b, ...]
+            x = stack(batch[key].to(rm.device), prog.loop)
             out.append((x if local else local_part(x, state.shard[vid], rm)).contiguous())
     return out
 
@@ -286,53 +283,20 @@ def check_batch(program: Program, state: ShardingState, rm: RankMesh, batch: Seq
         raise DistributedError(f"the step takes {len(program.inputs)} batch tensors (the example inputs' count, "
                                f"targets included), got {len(batch)}")
     for i, (x, vid) in enumerate(zip(batch, program.inputs)):
+        if not isinstance(x, torch.Tensor):
+            raise DistributedError(f"batch tensor {i} is a {type(x).__name__}, not a tensor")
         val = program.values[vid]
         want = state.shard[vid].local_shape(val.shape, rm.mesh) if local else val.shape
-        if tuple(x.shape) != tuple(want):
+        if tuple(stack(x, program.loop).shape) != tuple(want):
             what = "this rank's part" if local else "the global batch (every rank passes all of it)"
             raise DistributedError(f"batch tensor {i} has shape {list(x.shape)}; the plan was made for {list(want)} "
                                    f"as {what}")
 
 
-def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tensor, local: bool = False
-         ) -> torch.Tensor:
-    """One training step of the sharded model (module docstring); returns the loss."""
-    rec = require(model)
-    if optimizer is not rec.optimizer:
-        raise DistributedError("this optimizer is not the one auto_shard returned for this model; pass that one")
-    prog = rec.state.program
-    groups = zip(rec.hyper, optimizer.param_groups)
-    changed = [f"group {i} {k}: {was[k]} -> {now.get(k)}" for i, (was, g) in enumerate(groups)
-               for now in [_hyper(g)] for k in was if now.get(k) != was[k]]
-    if changed:
-        raise DistributedError("the optimizer's hyperparameters changed since the step was captured "
-                               f"({'; '.join(changed[:4])}): the rank program holds every one but the learning rate "
-                               "as a constant; keep them fixed (OneCycleLR / CyclicLR: cycle_momentum=False), or "
-                               "shard again")
-    check_batch(prog, rec.state, rec.rank_mesh, batch, local)
-    flat = rank_inputs(rec, model, optimizer, batch, local=local)
-    with torch.no_grad():
-        outs = rec.graph(*flat)
-        loss = outs[0] if prog.loss is not None else None
-        where = dict(zip(prog._placeholder_ids(), flat))
-        for (_new, old), t in zip(prog.updates.items(), outs[1 if loss is not None else 0:]):
-            if t is not where[old] and t.data_ptr() != where[old].data_ptr():  # (donated: written in place)
-                where[old].copy_(t)
-        # torch.optim keeps a step counter (NAdam a momentum product) per parameter: all hold the program's one
-        for s, v in prog.shared_states.items():
-            for st in optimizer.state.values():
-                if s in st and st[s] is not where[v]:
-                    st[s].copy_(where[v])
-    rec.steps += 1
-    optimizer._opt_called = True  # as torch.optim's step marks it for LR schedulers (their call-order check)
-    return loss.detach() if loss is not None else None
-
-
 def unshard(model: nn.Module) -> nn.Module:
     """Undo `apply`: the caller's own parameter and buffer objects back, holding the trained (whole) values."""
     rec = require(model)
-    if rec.hook is not None:
-        rec.hook.remove()
+    model.__dict__.pop("forward", None)
     done: set[int] = set()
     current = {(id(m), a): getattr(m, a) for m, a, _ in rec.originals}
     for mod, attr, orig in rec.originals:

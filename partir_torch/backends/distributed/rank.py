@@ -57,13 +57,14 @@ class LocalizeError(PartirError):
 class RankProgram:
     """The step of `state` on the device at `exchange.coord`. Called with the local tensors of the program's
     inputs (`Program._placeholder_ids` order), it returns the loss (replicated) then the updated values
-    (`program.updates`, in order) in their inputs' shardings; with `grads=True` the gradients too."""
+    (`program.updates`, in order) in their inputs' shardings; with `grads=True` the gradients too; with
+    `outputs=True` (a forward) the program's other outputs last, replicated."""
 
-    def __init__(self, state: ShardingState, exchange: Exchange, *, grads: bool = False,
+    def __init__(self, state: ShardingState, exchange: Exchange, *, grads: bool = False, outputs: bool = False,
                  on_step: Callable[[int, Step], None] | None = None) -> None:
         self.state, self.program, self.exchange = state, state.program, exchange
         self.relay = relayouts(self.program, state.rules)
-        self.grads = grads
+        self.grads, self.outputs = grads, outputs
         self.on_step = on_step  # (value, step): each step the rank runs, as it runs it
         self._walks: dict[tuple, list[Step]] = {}
 
@@ -187,6 +188,9 @@ class RankProgram:
             res.append(self.reshard(env, cache, new, state.shard[new], state.shard[old]))
         if self.grads:
             res += [env[g] for g in prog.grads.values()]
+        if self.outputs:
+            res += [self.reshard(env, cache, v, state.shard[v], Sharding.replicated(len(prog.values[v].shape)))
+                    for v in forward_outputs(prog)]
         return res
 
     def _donations(self) -> set[int]:
@@ -221,6 +225,11 @@ class RankProgram:
             x = self.reshard(env, cache, ins[0], state.shard[ins[0]], required_operand(state, op.id, 0))
             local[0] = x * local[1] * (1.0 / (1.0 - p)) if train and p < 1 else (x * local[1] if train else x)
         return local
+
+
+def forward_outputs(program) -> list[int]:
+    """A forward program's outputs, the model's (its buffer updates left out), in order."""
+    return [v for v in program.outputs if v not in program.updates]
 
 
 def draws(op) -> bool:

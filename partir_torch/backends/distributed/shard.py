@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from partir_torch.backends.distributed import engine
+from partir_torch.backends.distributed import engine, steps
 from partir_torch.backends.distributed.runtime import DistributedError, RankMesh, connect
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import parse_mesh
@@ -94,6 +94,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     docstring)."""
     import partir_torch.search  # noqa: F401  (the search's actions, read back from a plan's decisions)
     from partir_torch.capture import capture
+    from partir_torch.capture.loop import loop_of
     from partir_torch.search.api import search
 
     m, dcn = parse_mesh(mesh)
@@ -115,7 +116,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     try:
         the_plan.check(model, example_inputs, mesh=dict(m.axes))
         program = capture(model, example_inputs, loss_fn, optimizer, fold=False, fallback=fallback,
-                          assume_compiling=the_plan.compiling)
+                          assume_compiling=the_plan.compiling, loop=loop_of(options))
         state = the_plan.to_state(program, fallback=fallback)
         mine = (the_plan.state_hash, state.digest())
         ok: tuple[bool, Any] = (True, mine)
@@ -123,5 +124,6 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
         ok = (False, f"{type(e).__name__}: {e}")
     _agree(_everyone(rm, "rebuilding the plan", *ok), "plans", "plan, state digests",
            "every rank must capture the same model, inputs and loss (seed them alike)")
-    opt = engine.apply(model, optimizer, the_plan, state, rm, compile=compile)
+    opt = engine.apply(model, optimizer, the_plan, state, rm, compile=compile, loss_fn=loss_fn, fallback=fallback)
+    steps.install_forward(model)
     return model, opt

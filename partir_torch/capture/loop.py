@@ -1,0 +1,74 @@
+"""The training loop's asks, written into the captured step: microbatches accumulated, gradients clipped.
+
+Both are part of the step's program, so the plan shards them like every other op and the engine runs them
+exactly: a clip by the global norm sums each gradient's squares over its own shards and all-reduces the
+partial sums where the plan splits a gradient (as FSDP2's `clip_grad_norm_` over DTensors does), and the
+microbatches run one after another inside the step, each freeing its activations before the next starts.
+
+Microbatches: the step's inputs arrive stacked, `[k, b, ...]` for a global batch of `k * b` rows (the rows
+in order: microbatch i is rows `i*b .. (i+1)*b - 1`, as `torch.chunk` splits them); the plan splits dim 1,
+the rows of one microbatch, so a device holds its part of every microbatch and no row moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from partir_torch.errors import CaptureError
+from partir_torch.ir.program import Loop
+
+Grads = list[torch.Tensor]
+
+
+def loop_of(options) -> Loop:
+    """The `Loop` an `Options` asks for (its `accumulate`, `max_grad_norm`, `max_grad_value`)."""
+    return Loop(options.accumulate, options.max_grad_norm, options.max_grad_value)
+
+
+def stacked_shape(shape: Sequence[int], loop: Loop, i: int) -> tuple[int, ...]:
+    """Input `i`'s shape as the step takes it: `[k, b, ...]` for `accumulate=k`."""
+    k = loop.accumulate
+    if k == 1:
+        return tuple(shape)
+    if not shape or shape[0] % k:
+        raise CaptureError(f"accumulate={k}: input {i} has shape {list(shape)}, whose dim 0 (the batch) does not "
+                           f"split in {k} microbatches; pass a batch of a multiple of {k} rows")
+    return (k, shape[0] // k, *shape[1:])
+
+
+def stack(x: torch.Tensor, loop: Loop) -> torch.Tensor:
+    """A global batch tensor as the step takes it (a view)."""
+    return x if loop.accumulate == 1 else x.reshape(stacked_shape(tuple(x.shape), loop, 0))
+
+
+def accumulated(one: Callable[[Sequence[torch.Tensor]], tuple[Grads, torch.Tensor]], xs: Sequence[torch.Tensor],
+                loop: Loop) -> tuple[Grads, torch.Tensor]:
+    """`one(inputs) -> (grads, loss)` over each microbatch in turn; the gradients and losses averaged."""
+    k = loop.accumulate
+    if k == 1:
+        return one(xs)
+    grads: Grads | None = None
+    total = None
+    for i in range(k):
+        g, loss = one([x[i] for x in xs])
+        grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        total = loss if total is None else total + loss
+    assert grads is not None and total is not None
+    return [g / k for g in grads], total / k
+
+
+def clipped(grads: Grads, loop: Loop) -> Grads:
+    """The gradients as `clip_grad_norm_(params, max_grad_norm)` then `clip_grad_value_(params, max_grad_value)`
+    leave them (torch's formula: coefficient `max_norm / (norm + 1e-6)`, at most 1)."""
+    if loop.max_grad_norm is not None and grads:
+        sq = None
+        for g in grads:
+            s = (g * g).sum()
+            sq = s if sq is None else sq + s
+        coef = (loop.max_grad_norm / (torch.sqrt(sq) + 1e-6)).clamp(max=1.0)
+        grads = [g * coef for g in grads]
+    if loop.max_grad_value is not None:
+        grads = [g.clamp(-loop.max_grad_value, loop.max_grad_value) for g in grads]
+    return grads
