@@ -63,6 +63,8 @@ NAMES: dict[str, Name] = {
     "StridedShard": Name((("torch.distributed.tensor.placement_types", "_StridedShard"),),
                          "the torch backend's DTensor placements of a tile read in chunks"),
     "inductor_config": Name((("torch._inductor.config", ""),), "the torch backend's compile=True"),
+    "disabled_torch_function_impl": Name((("torch._C", "_disabled_torch_function_impl"),),
+                                         "the torch backend's stand-in gradients"),
     "DisableTorchFunction": Name((("torch._C", "DisableTorchFunction"),), "the torch_xla backend's constraints"),
     "all_gather": Name((("torch.distributed._functional_collectives", "all_gather_single"),
                         ("torch.distributed._functional_collectives", "all_gather_tensor")),

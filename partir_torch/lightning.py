@@ -283,9 +283,10 @@ class TorchAutoShardStrategy(DDPStrategy):
                 full[i] = x
             return _loss_of(model.training_step(_compat.pytree.tree_unflatten(full, spec), 0))
 
-        shard.same_batch([leaves[i] for i in tensors], "first training batch",
-                         "keep Lightning's distributed sampler (`use_distributed_sampler=True`, one seed on every "
-                         "rank), or give the loader's sampler the same seed on every rank")
+        shard.same_tensors([leaves[i] for i in tensors], "first training batch",
+                           "every rank must pass the whole global batch: keep Lightning's distributed sampler "
+                           "(`use_distributed_sampler=True`, one seed on every rank), or give the loader's sampler "
+                           "the same seed on every rank")
         with _Silenced(module):
             _, opt = shard.auto_shard(module, [leaves[i] for i in tensors], self._mesh_arg, loss_fn=loss_fn,
                                       optimizer=template, plan=self.plan, compile=self.compile, options=self.options)

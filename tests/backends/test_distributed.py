@@ -252,11 +252,11 @@ def test_a_batch_that_is_not_row_major_is_fed_row_major(two):
 
 def same_batch_case(rank, world, differ):
     from partir_torch import PartirError
-    from partir_torch.backends.distributed.shard import same_batch
+    from partir_torch.backends.distributed.shard import same_tensors
 
     x = torch.arange(12).reshape(3, 4) + (rank if differ else 0)
     try:
-        same_batch([x.t(), torch.ones(2)], "first training batch", "seed the loader alike")
+        same_tensors([x.t(), torch.ones(2)], "first training batch", "seed the loader alike")
     except PartirError as e:
         return str(e)
     return None

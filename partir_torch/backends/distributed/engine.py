@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from partir_torch import _compat
 from partir_torch.backends.common import initial_states, rebuild_optimizer, slots
+from partir_torch.backends.distributed import grads
 from partir_torch.backends.distributed.rank import RankProgram, trace
 from partir_torch.backends.distributed.reshard import Exchange
 from partir_torch.backends.distributed.runtime import DistributedError, RankMesh
@@ -154,6 +155,8 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
                 rec.tensors[name] = new
             setattr(mod, attr, new)
         opt = _shard_optimizer(optimizer, model, rec)
+        grads.install(model.parameters())
+        model.zero_grad = grads.ZeroGrad(model.parameters())  # (instance attributes: `unshard` deletes them)
         _same_generator(rm)
         local = rank_inputs(rec, model, opt, None, probe=True)
         gm = trace(rec.program, local)
@@ -162,6 +165,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
     except BaseException:
         for mod, attr, t in rec.originals:
             setattr(mod, attr, t)
+        model.__dict__.pop("zero_grad", None)
         raise
     _SHARDED[model] = rec
     model.partir_plan = plan
@@ -201,6 +205,9 @@ class _PlannedStep:
         raise DistributedError("on the torch backend a training step is one planned program: call "
                                "`loss = partir_torch.step(model, optimizer, *batch)` instead of loss.backward(); "
                                "optimizer.step()")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        grads.install(p for g in self.param_groups for p in g["params"])  # (the stand-ins stay)
 
 
 def _shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rec: Sharded) -> torch.optim.Optimizer:
@@ -297,6 +304,7 @@ def unshard(model: nn.Module) -> nn.Module:
     """Undo `apply`: the caller's own parameter and buffer objects back, holding the trained (whole) values."""
     rec = require(model)
     model.__dict__.pop("forward", None)
+    model.__dict__.pop("zero_grad", None)
     done: set[int] = set()
     current = {(id(m), a): getattr(m, a) for m, a, _ in rec.originals}
     for mod, attr, orig in rec.originals:

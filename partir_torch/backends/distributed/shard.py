@@ -1,5 +1,6 @@
 """`auto_shard` on torch.distributed: plan once, agree, apply on every rank.
 
+    the ranks compare their model's weights (digests): a rank that built its own (another seed) fails at once;
     rank 0 searches (or loads the plan given) and broadcasts it (or its error) to every rank;
     every rank captures the step unfolded and replays the plan's decisions (`ShardingPlan.to_state`);
     the ranks compare what they hold (the plan's and the state's digests) and all raise if any differs or
@@ -52,16 +53,17 @@ def _everyone(rm: RankMesh, what: str, ok: bool, value: Any) -> list[Any]:
     return [v for _, v in got]
 
 
-def same_batch(batch: Sequence[torch.Tensor], what: str, fix: str) -> None:
-    """Every rank holds the same `batch` (compared by digest), else every rank raises: the plan splits one global
-    batch, so ranks that read different data would each train on a part of none of them, silently."""
+def same_tensors(batch: Sequence[torch.Tensor], what: str, fix: str) -> None:
+    """Every rank holds the same tensors (compared by digest), else every rank raises: the plan splits one
+    global batch of one model, so ranks that read different data (or built different weights) would each train
+    a part of none of them, silently."""
     h = hashlib.sha256()
     for t in batch:
         h.update(f"{tuple(t.shape)} {t.dtype};".encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())  # (no copy if CPU)
     got: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(got, h.hexdigest()[:12])
-    _agree(got, what, "digests", f"every rank must pass the whole global batch: {fix}")
+    _agree(got, what, "digests", fix)
 
 
 def _agree(held: list[Any], what: str, of: str, fix: str) -> None:
@@ -112,6 +114,9 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
                           dcn_axes=dcn)
         return plan if isinstance(plan, ShardingPlan) else ShardingPlan.load(plan)
 
+    same_tensors([t for t in (*model.parameters(), *model.buffers()) if not t.is_meta], "initial weights",
+                 "build the model alike on every rank (the same seed: torch.manual_seed before building it, or "
+                 "load the same checkpoint); partir_torch shards one model, it does not average ranks' models")
     the_plan = plan_on_rank0(rm, make)
     try:
         the_plan.check(model, example_inputs, mesh=dict(m.axes))

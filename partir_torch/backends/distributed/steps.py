@@ -103,10 +103,10 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
     loop = prog.loop if accumulate is None else Loop(accumulate, prog.loop.max_grad_norm, prog.loop.max_grad_value)
     variant = Variant.of("step", batch, loop=loop)
     if not local and not rec.batch_checked:
-        from partir_torch.backends.distributed.shard import same_batch
+        from partir_torch.backends.distributed.shard import same_tensors
 
-        same_batch(batch, "global batches", "pass the same global batch on every rank (local=True: each rank "
-                   "its own part, split as the plan splits it)")
+        same_tensors(batch, "global batches", "every rank must pass the whole global batch, the same on every rank "
+                     "(or local=True: each rank its own part, split as the plan splits it)")
         rec.batch_checked = True
     if loop == prog.loop and _fits(prog, rec.state, rec.rank_mesh, batch, local):
         state, graph = rec.state, rec.graph
