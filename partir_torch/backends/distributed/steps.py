@@ -171,8 +171,25 @@ class _ShardedForward:
             _write_back(prog, flat, outs[:len(prog.updates)], None)  # train mode: BatchNorm's running statistics
         leaves = iter(outs[len(prog.updates):])
         spec, consts = prog.out_tree
-        out = _compat.pytree.tree_unflatten([next(leaves) if c is TENSOR else c for c in consts], spec)
+        out = _compat.pytree.tree_unflatten([next(leaves) if c is TENSOR else _plain(c) for c in consts], spec)
         return _no_backward(out) if torch.is_grad_enabled() else out
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+_said: set[str] = set()
+
+
+def _plain(c: Any) -> Any:
+    """A non-tensor output as the model returned it, or None for an object the forward filled with tensors of
+    the capture (HF's `DynamicCache` of past keys and values): said once, never returned half-made."""
+    if isinstance(c, _PLAIN) or (isinstance(c, tuple | list) and all(isinstance(x, _PLAIN) for x in c)):
+        return c
+    name = type(c).__name__
+    if name not in _said:
+        _said.add(name)
+        log.warning("partir_torch: the sharded forward returns tensors and plain values; the model's %s output "
+                    "is returned as None (an HF model: use_cache=False leaves it out)", name)
+    return None
 
 
 def _no_backward(out: Any) -> Any:

@@ -94,6 +94,9 @@ def replayed(plan_state: ShardingState, program: Program) -> ShardingState:
     """The plan's decisions (those of `plan_state`) on `program`, checked to keep every parameter, buffer and
     optimizer state where the plan keeps them."""
     state = ShardingState(program, plan_state.mesh, fallback=plan_state.analysis.fallback)
+    for axis in plan_state.mesh.names:  # what the model holds whole on an axis stays so (propagation stops there)
+        state.lock([v for _, v, w in _held(program, plan_state.program) if axis not in plan_state.shard[w].axes],
+                   axis)
     for a in translated(plan_state.actions, plan_state.program, program):
         try:
             state.apply(a)
@@ -137,14 +140,19 @@ def zero_params(state: ShardingState, plan_state: ShardingState) -> None:
             hold_split(state, a.axis, dims)
 
 
-def _check_held(state: ShardingState, plan_state: ShardingState) -> None:
-    prog, plan_prog = state.program, plan_state.program
+def _held(prog: Program, plan_prog: Program) -> list[tuple[str, int, int]]:
+    """(name, value here, value in the plan's program) of what the model holds: parameters, buffers, states."""
     pairs = [(n, prog.params[n], plan_prog.params[n]) for n in prog.params if n in plan_prog.params]
     pairs += [(n, prog.buffers[n], plan_prog.buffers[n]) for n in prog.buffers if n in plan_prog.buffers]
     pairs += [(f"opt.{s}[{n}]", v, plan_prog.opt_states[n][s]) for n, st in prog.opt_states.items()
               for s, v in st.items() if s in plan_prog.opt_states.get(n, {})]
-    moved = [f"{n} ({state.shard[v]} here, {plan_state.shard[w]} as applied)" for n, v, w in pairs
-             if state.shard[v] != plan_state.shard[w]]
+    return pairs
+
+
+def _check_held(state: ShardingState, plan_state: ShardingState) -> None:
+    prog = state.program
+    moved = [f"{n} ({state.shard[v]} here, {plan_state.shard[w]} as applied)"
+             for n, v, w in _held(prog, plan_state.program) if state.shard[v] != plan_state.shard[w]]
     if moved:
         raise DistributedError(f"the plan replayed on this {prog.mode} program would hold {len(moved)} tensor(s) "
                                f"elsewhere than the model holds them: {'; '.join(moved[:3])}; shard again for "
