@@ -43,20 +43,40 @@ def stack(x: torch.Tensor, loop: Loop) -> torch.Tensor:
     return x if loop.accumulate == 1 else x.reshape(stacked_shape(tuple(x.shape), loop, 0))
 
 
-def accumulated(one: Callable[[Sequence[torch.Tensor]], tuple[Grads, torch.Tensor]], xs: Sequence[torch.Tensor],
-                loop: Loop) -> tuple[Grads, torch.Tensor]:
-    """`one(inputs) -> (grads, loss)` over each microbatch in turn; the gradients and losses averaged."""
+Aux = dict[str, torch.Tensor]
+
+
+def with_aux(out) -> tuple[torch.Tensor, Aux]:
+    """A loss function's result as (loss, the scalars it returns beside it): `loss`, or `(loss, {name: value})`
+    (the metrics a Lightning `training_step` logs: the step returns them, so the engine can log them)."""
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+        loss, aux = out
+        bad = [k for k, v in aux.items() if not (isinstance(v, torch.Tensor) and v.numel() == 1)]
+        if bad:
+            raise CaptureError(f"the values returned beside the loss must be one-element tensors; {bad} are not")
+        return loss, {k: v.reshape(()) for k, v in aux.items()}
+    return out, {}
+
+
+def accumulated(one: Callable[[Sequence[torch.Tensor]], tuple[Grads, torch.Tensor, Aux]],
+                xs: Sequence[torch.Tensor], loop: Loop) -> tuple[Grads, torch.Tensor, Aux]:
+    """`one(inputs) -> (grads, loss, aux)` over each microbatch in turn: the gradients' sum divided by
+    `loop.divide_by` (k; more for the last, short window of a Lightning epoch, which divides by its full
+    window), the losses averaged, the aux values stacked, one per microbatch."""
     k = loop.accumulate
-    if k == 1:
+    if k == 1 and loop.divide_by == 1:
         return one(xs)
     grads: Grads | None = None
     total = None
+    auxes: list[Aux] = []
     for i in range(k):
-        g, loss = one([x[i] for x in xs])
+        g, loss, aux = one([x[i] for x in xs] if k > 1 else xs)
         grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         total = loss if total is None else total + loss
+        auxes.append(aux)
     assert grads is not None and total is not None
-    return [g / k for g in grads], total / k
+    return [g / loop.divide_by for g in grads], total / k, {name: torch.stack([a[name] for a in auxes])
+                                                            for name in auxes[0]}
 
 
 def clipped(grads: Grads, loop: Loop) -> Grads:

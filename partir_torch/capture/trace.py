@@ -35,7 +35,7 @@ from partir_torch.capture.explain import CompiledPathError, data_dependent, expl
 from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
 from partir_torch.capture.isolation import ModelState
-from partir_torch.capture.loop import accumulated, clipped, stacked_shape
+from partir_torch.capture.loop import accumulated, clipped, stacked_shape, with_aux
 from partir_torch.capture.opaque import TENSOR, OpaqueModules, OutputShapeVaries
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
 from partir_torch.capture.rewrites import Rewrites
@@ -165,6 +165,7 @@ def capture(
     tracker = ModuleTracker(model)
     input_args: list[int | str | None] = [None] * len(inputs)  # where each input enters model.forward
     out_tree: list = []  # inference: the forward's output structure, its tensors marked (an engine rebuilds it)
+    aux_names: list[str] = []  # the values the loss function returns beside the loss (`with_aux`)
 
     def step(*flat: torch.Tensor) -> list[torch.Tensor]:
         p_vals = dict(zip(names, flat[:n_p]))
@@ -187,29 +188,32 @@ def capture(
 
         # Buffers go in as an argument of the differentiated function: torch.func lets it mutate those
         # (BatchNorm's running statistics); functionalization then turns each mutation into an output.
-        def loss_of(train_vals: list[torch.Tensor], buf_vals: dict[str, torch.Tensor], mb) -> torch.Tensor:
+        def loss_of(train_vals: list[torch.Tensor], buf_vals: dict[str, torch.Tensor], mb):
             values = {**p_vals, **dict(zip(trainable, train_vals)), **buf_vals}
             with _reparametrize_module(model, values, tie_weights=True), \
                     ForwardArgs(model, mb, input_args):
-                loss = loss_fn(model, *mb)
+                loss, aux = with_aux(loss_fn(model, *mb))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
                 raise CaptureError(f"loss_fn must return a scalar tensor, got {shape}; reduce it with .mean() or "
                                    ".sum()")
             tag_backward(loss)
-            return loss.reshape(())
+            aux_names[:] = list(aux)
+            return loss.reshape(()), aux
 
-        def one(mb) -> tuple[list[torch.Tensor], torch.Tensor]:
+        def one(mb) -> tuple[list[torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
             if by_autograd:  # torch.func cannot differentiate a custom op or an old-style autograd.Function
                 leaves = [p_vals[n].detach().requires_grad_() for n in trainable]
                 with torch.enable_grad():
-                    loss = loss_of(leaves, b_vals, mb)
+                    loss, aux = loss_of(leaves, b_vals, mb)
                     got = torch.autograd.grad(loss, leaves, allow_unused=True) if leaves else ()
-                return [g if g is not None else torch.zeros_like(x) for g, x in zip(got, leaves)], loss.detach()
-            grads_l, loss = torch.func.grad_and_value(loss_of)([p_vals[n] for n in trainable], b_vals, mb)
-            return list(grads_l), loss
+                grads_l = [g if g is not None else torch.zeros_like(x) for g, x in zip(got, leaves)]
+                return grads_l, loss.detach(), {k: a.detach() for k, a in aux.items()}
+            grads_l, (loss, aux) = torch.func.grad_and_value(loss_of, has_aux=True)(
+                [p_vals[n] for n in trainable], b_vals, mb)
+            return list(grads_l), loss, aux
 
-        grads_l, loss = accumulated(one, xs, loop)
+        grads_l, loss, aux = accumulated(one, xs, loop)
         grads = dict(zip(trainable, clipped(grads_l, loop)))
         new_shared = spec.advance(shared_vals) if updated else {}
         new_params, new_states, cache = [], [new_shared[s] for s in shared], {}
@@ -217,7 +221,7 @@ def capture(
             new_p, new_s = spec.update(n, p_vals[n], grads[n], s_vals[n], new_shared, cache, hyper_vals)
             new_params.append(new_p)
             new_states += [new_s[s] for s in states[n]]
-        return [loss, *(grads[n] for n in trainable), *new_params, *new_states]
+        return [loss, *(aux[k] for k in aux_names), *(grads[n] for n in trainable), *new_params, *new_states]
 
     mkldnn = torch.backends.mkldnn.enabled
     # a library may re-tie or re-assign parameters inside forward (HF T5's shared embedding): every
@@ -274,6 +278,7 @@ def capture(
     out_roles: list[tuple[Role, str, int | None]] = []  # (role, name, index of the updated flat input)
     if mode == "train":
         out_roles.append((Role.OUTPUT, "loss", None))
+        out_roles += [(Role.OUTPUT, f"aux[{k}]", None) for k in aux_names]
         out_roles += [(Role.GRADIENT, f"grad[{n}]", None) for n in trainable]
         out_roles += [(Role.OUTPUT, f"updated[{n}]", names.index(n)) for n in updated]
         k = n_p + n_b
@@ -310,7 +315,8 @@ def capture(
     program.out_tree = out_tree[0] if out_tree else None
     if mode == "train":
         program.loss = program.outputs[0]
-        program.grads = {n: program.outputs[1 + i] for i, n in enumerate(trainable)}
+        program.aux = {k: program.outputs[1 + i] for i, k in enumerate(aux_names)}
+        program.grads = {n: program.outputs[1 + len(aux_names) + i] for i, n in enumerate(trainable)}
     program.optimizer = spec.kind if spec else None
     program.groups = _groups(model, program, spec)
     program.capture_time_s = time.perf_counter() - t0

@@ -126,10 +126,17 @@ class Loop:
     accumulate: int = 1
     max_grad_norm: float | None = None
     max_grad_value: float | None = None
+    divide: int | None = None  # the gradients' sum divided by this (None: by `accumulate`, their mean)
+
+    @property
+    def divide_by(self) -> int:
+        return self.divide or self.accumulate
 
     def __post_init__(self) -> None:
         from partir_torch.errors import PartirError
 
+        if self.divide == self.accumulate:
+            object.__setattr__(self, "divide", None)  # (the default, one Loop for one step)
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise PartirError(f"accumulate must be a whole number of microbatches >= 1, got {self.accumulate!r}")
         for name in ("max_grad_norm", "max_grad_value"):
@@ -139,6 +146,7 @@ class Loop:
 
     def __str__(self) -> str:
         parts = [f"accumulate={self.accumulate}"] if self.accumulate > 1 else []
+        parts += [f"divide={self.divide}"] if self.divide not in (None, self.accumulate) else []
         parts += [f"{k}={v:g}" for k, v in (("max_grad_norm", self.max_grad_norm),
                                               ("max_grad_value", self.max_grad_value)) if v is not None]
         return ", ".join(parts) or "one step"
@@ -166,6 +174,7 @@ class Program:
     hyper_values: dict[str, float] = field(default_factory=dict)  # their values when captured
     constants: dict[str, int] = field(default_factory=dict)  # tensor constants of the graph, by attribute
     input_args: list[int | str | None] = field(default_factory=list)  # forward arg of each input (None: not one)
+    aux: dict[str, int] = field(default_factory=dict)  # values the loss function returns beside the loss -> value id
     n_graph_outputs: int = 0  # outputs beyond these are functionalized buffer mutations
     capture_time_s: float = 0.0
     compiling: bool = False  # traced with torch.compiler.is_compiling() true (capture's assume_compiling)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from partir_torch.capture.fold import full_names
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
+from partir_torch.ir.program import Loop
 from partir_torch.ir.sharding import divides, tile_count
 from partir_torch.plan.reads import (
     call_constraints,
@@ -187,6 +188,9 @@ class ShardingPlan:
     # what the CLI built the program from ({"model": zoo name or /abs/file.py:factory, "config": [KEY=VALUE]}),
     # so `partir-torch verify plan.json` needs no MODEL; None for a plan made in Python
     workload: dict[str, Any] | None = None
+    # what the step does beyond one update (`ir.Loop`: accumulate, max_grad_norm, max_grad_value); its
+    # inputs are then the example inputs stacked [k, b, ...]
+    loop: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_state(cls, state: ShardingState, cost, *, schedule: str | None = None, hardware: str | None = None,
@@ -204,6 +208,7 @@ class ShardingPlan:
                    buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}), shapes=shapes,
                    input_args=list(p.input_args), optimizer=p.optimizer, program_hash=p.content_hash(),
                    compiling=p.compiling, decisions=[str(d) for d in state.actions],
+                   loop={k: v for k, v in asdict(p.loop).items() if k != "divide"} if p.loop != Loop() else {},
                    state_hash=state.digest(), **{f.name: getattr(sp, f.name) for f in fields(PlanSpecs)})
 
     @property
@@ -223,6 +228,8 @@ class ShardingPlan:
                "decisions": self.decisions, "state_hash": self.state_hash}
         if self.compiling:
             out["compiling"] = True
+        if self.loop:
+            out["loop"] = self.loop
         if self.workload is not None:
             out["workload"] = self.workload
         if self.search is not None:
@@ -247,7 +254,7 @@ class ShardingPlan:
                    d.get("input_args", []),
                    d.get("optimizer"), d.get("program_hash"), d.get("blocked", []), d.get("cache"),
                    bool(d.get("compiling", False)), list(d.get("decisions", [])), d.get("state_hash"),
-                   d.get("workload"))
+                   d.get("workload"), dict(d.get("loop", {})))
 
     def save(self, path: str | os.PathLike) -> None:
         """The plan as JSON (`ShardingPlan.load` reads it back)."""
@@ -292,11 +299,14 @@ class ShardingPlan:
             xs = (example_inputs,) if hasattr(example_inputs, "shape") else tuple(example_inputs)
             if len(xs) != len(self.inputs):
                 problems.append(f"{len(xs)} example inputs given, the plan has {len(self.inputs)}")
+            k = self.loop.get("accumulate", 1)  # (the step takes the inputs' rows as k microbatches stacked)
             for i, (x, want) in enumerate(zip(xs, self.shapes.get("inputs", [None] * len(xs)))):
-                if want is not None and list(x.shape) != list(want):
+                shape = list(x.shape) if k == 1 or not x.shape or x.shape[0] % k else [k, x.shape[0] // k,
+                                                                                       *x.shape[1:]]
+                if want is not None and shape != list(want):
                     problems.append(f"input {i} has shape {list(x.shape)}, the plan was made for {want}")
                 elif i < len(self.inputs):
-                    problems += divisibility(f"input {i}", tuple(x.shape), self.inputs[i], self.mesh)
+                    problems += divisibility(f"input {i}", tuple(shape), self.inputs[i], self.mesh)
         if problems:
             raise PlanMismatchError("the plan does not fit this model:\n  - " + "\n  - ".join(problems))
 

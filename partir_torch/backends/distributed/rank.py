@@ -57,8 +57,9 @@ class LocalizeError(PartirError):
 class RankProgram:
     """The step of `state` on the device at `exchange.coord`. Called with the local tensors of the program's
     inputs (`Program._placeholder_ids` order), it returns the loss (replicated) then the updated values
-    (`program.updates`, in order) in their inputs' shardings; with `grads=True` the gradients too; with
-    `outputs=True` (a forward) the program's other outputs last, replicated."""
+    (`program.updates`, in order) in their inputs' shardings; with `grads=True` the gradients too; then the
+    values the loss function returns beside the loss (`program.aux`), replicated; with `outputs=True` (a
+    forward) the program's other outputs last, replicated."""
 
     def __init__(self, state: ShardingState, exchange: Exchange, *, grads: bool = False, outputs: bool = False,
                  on_step: Callable[[int, Step], None] | None = None) -> None:
@@ -188,6 +189,8 @@ class RankProgram:
             res.append(self.reshard(env, cache, new, state.shard[new], state.shard[old]))
         if self.grads:
             res += [env[g] for g in prog.grads.values()]
+        res += [self.reshard(env, cache, v, state.shard[v], Sharding.replicated(len(prog.values[v].shape)))
+                for v in prog.aux.values()]
         if self.outputs:
             res += [self.reshard(env, cache, v, state.shard[v], Sharding.replicated(len(prog.values[v].shape)))
                     for v in forward_outputs(prog)]
@@ -229,7 +232,7 @@ class RankProgram:
 
 def forward_outputs(program) -> list[int]:
     """A forward program's outputs, the model's (its buffer updates left out), in order."""
-    return [v for v in program.outputs if v not in program.updates]
+    return [v for v in program.outputs if v not in program.updates and program.mode == "inference"]
 
 
 def draws(op) -> bool:

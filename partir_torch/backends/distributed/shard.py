@@ -96,7 +96,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     docstring)."""
     import partir_torch.search  # noqa: F401  (the search's actions, read back from a plan's decisions)
     from partir_torch.capture import capture
-    from partir_torch.capture.loop import loop_of
+    from partir_torch.ir.program import Loop
     from partir_torch.search.api import search
 
     m, dcn = parse_mesh(mesh)
@@ -121,7 +121,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     try:
         the_plan.check(model, example_inputs, mesh=dict(m.axes))
         program = capture(model, example_inputs, loss_fn, optimizer, fold=False, fallback=fallback,
-                          assume_compiling=the_plan.compiling, loop=loop_of(options))
+                          assume_compiling=the_plan.compiling, loop=Loop(**the_plan.loop))
         state = the_plan.to_state(program, fallback=fallback)
         mine = (the_plan.state_hash, state.digest())
         ok: tuple[bool, Any] = (True, mine)

@@ -85,7 +85,8 @@ class plain:
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tensor, local: bool = False,
-         accumulate: int | None = None) -> torch.Tensor:
+         accumulate: int | None = None, divide: int | None = None,
+         aux: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """One training step of the sharded model (module docstring); returns the loss. `accumulate=k`: the batch's
     rows in k microbatches, one update (the plan's program for that, made the first time)."""
     rec = require(model)
@@ -100,7 +101,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
                                f"({'; '.join(changed[:4])}): the rank program holds every one but the learning rate "
                                "as a constant; keep them fixed (OneCycleLR / CyclicLR: cycle_momentum=False), or "
                                "shard again")
-    loop = prog.loop if accumulate is None else Loop(accumulate, prog.loop.max_grad_norm, prog.loop.max_grad_value)
+    loop = prog.loop if accumulate is None and divide is None else Loop(
+        accumulate or prog.loop.accumulate, prog.loop.max_grad_norm, prog.loop.max_grad_value, divide)
     variant = Variant.of("step", batch, loop=loop)
     if not local and not rec.batch_checked:
         from partir_torch.backends.distributed.shard import same_tensors
@@ -121,6 +123,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
         outs = graph(*flat)
         loss = outs[0] if prog.loss is not None else None
         _write_back(prog, flat, outs[1 if loss is not None else 0:], optimizer)
+        if aux is not None:  # the values the loss function returned beside the loss (one per microbatch)
+            aux.update(zip(prog.aux, outs[len(outs) - len(prog.aux):]))
     rec.steps += 1
     optimizer._opt_called = True  # as torch.optim's step marks it for LR schedulers (their call-order check)
     return loss.detach() if loss is not None else None

@@ -35,6 +35,10 @@ from partir_torch.propagate import ShardingState
 log = logging.getLogger(__name__)
 
 
+class Undivided(DistributedError):
+    """A batch whose dims the plan splits do not divide."""
+
+
 @dataclass(frozen=True)
 class Variant:
     """What a program is made for: the step (`loop`: microbatches, clipping) or the model's forward in one mode,
@@ -114,7 +118,7 @@ def _undivided(a: Action, program: Program, plan_state: ShardingState, e: Except
         shape = program.values[program.inputs[i]].shape
         d = a.dim - (1 if program.loop.accumulate > 1 and program.mode == "train" else 0)
         size = plan_state.mesh.size(a.axis)
-        return DistributedError(
+        return Undivided(
             f"batch tensor {i} has {shape[a.dim]} at dim {d}, which the plan splits over {a.axis!r} ({size} "
             f"devices, and any axis before it): pass batches whose dim {d} it divides, e.g. "
             f"DataLoader(..., drop_last=True) for a last batch of another size ({e})")
