@@ -322,7 +322,12 @@ def state_dict_case(rank, world, directory):
     again.load_state_dict(state["model"])
     set_optimizer_state_dict(again, opt2, state["optim"])
     same = all(torch.equal(saved[n], t.full_tensor()) for n, t in again.state_dict().items())
-    return same and strided and warned, next_loss, float(partir_torch.step(again, opt2, *inputs))
+    restored = float(partir_torch.step(again, opt2, *inputs))
+    # a whole optimizer state dict loaded back (its betas come back a list: the same hyperparameters) steps on
+    whole = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(again, opt2, get_optimizer_state_dict(again, opt2, options=whole), options=whole)
+    partir_torch.step(again, opt2, *inputs)
+    return same and strided and warned, next_loss, restored
 
 
 def _strided_states_are_the_plan_s(model, opt) -> bool:
@@ -382,8 +387,15 @@ def bad_input_case(rank, world, what):
                                              schedule="batch:BatchParallel", backend="torch", cache=False)
     except partir_torch.PartirError as e:
         return str(e), hasattr(model, "partir_plan")
+    if what == "other-batch":  # each rank its own data, as under DDP: refused at the first step
+        mine = tuple(x + rank if x.is_floating_point() else x for x in inputs)
+        try:
+            partir_torch.step(model, opt, *mine)
+        except partir_torch.PartirError as e:
+            return str(e), True
+        return None, True
     errors = []
-    for plain in (lambda: loss_fn(model, *inputs), opt.step):
+    for plain in (lambda: loss_fn(model, *inputs).backward(), opt.step):
         try:
             plain()
         except partir_torch.PartirError as e:
@@ -393,15 +405,16 @@ def bad_input_case(rank, world, what):
 
 @pytest.mark.parametrize(("what", "message"), [
     ("mesh", r"the process group has 4 ranks but the mesh Mesh\{batch:2, model:4\} spans 8 devices"),
-    ("other-model", r"failed on rank 1: PlanMismatchError: the plan does not fit this model"),
-    ("plain-loop", r"Train with `loss = partir_torch.step\(model, optimizer, \*batch\)`"),
+    ("other-model", r"the ranks hold different initial weights \(digests by rank: .*\[1\]"),
+    ("plain-loop", r"`loss = partir_torch.step\(model, optimizer, \*batch\)`"),
+    ("other-batch", r"the ranks hold different global batches .*every rank must pass the whole global batch"),
 ])
 def test_bad_input_is_an_error_on_every_rank_never_a_hang(four, what, message):
     import re
 
     for msg, flag in four.run(bad_input_case, what):
         assert msg is not None and re.search(message, msg), msg
-        assert flag is (what == "plain-loop")  # (sharded only where the error comes at the plain loop's step)
+        assert flag is (what in ("plain-loop", "other-batch"))  # (sharded where the error comes at a step)
 
 
 def plan_file_case(rank, world, path):

@@ -240,8 +240,9 @@ def _shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rec: Sh
 
 def hyper_of(group: dict[str, Any]) -> dict[str, Any]:
     """A group's hyperparameters the rank program holds as constants: all but the lr (an input of the step)
-    and what LR schedulers keep beside it."""
-    return {k: v for k, v in group.items() if k not in _NOT_CONSTANT and isinstance(v, (int, float, tuple, bool))}
+    and what LR schedulers keep beside it. (A state dict loaded back holds `betas` as a list: the same value.)"""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in group.items()
+            if k not in _NOT_CONSTANT and isinstance(v, (int, float, tuple, list, bool))}
 
 
 _NOT_CONSTANT = {"params", "lr", *SCHEDULER_KEYS}

@@ -198,17 +198,18 @@ def _plain(c: Any) -> Any:
 
 def _no_backward(out: Any) -> Any:
     """Outputs whose backward says how to train, instead of autograd's "does not require grad"."""
-    return _compat.pytree.tree_map(lambda t: _NoBackward.apply(t) if isinstance(t, torch.Tensor)
+    anchor = torch.zeros((), requires_grad=True)  # (so that the outputs require grad, and their backward runs)
+    return _compat.pytree.tree_map(lambda t: _NoBackward.apply(t, anchor) if isinstance(t, torch.Tensor)
                                    and t.is_floating_point() else t, out)
 
 
 class _NoBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         return t.view_as(t)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise DistributedError("a model sharded by partir_torch on torch.distributed trains in one planned program "
                                "(forward, backward and update): `loss = partir_torch.step(model, optimizer, "
                                "*batch)`, not loss.backward(); its own forward is for evaluation")
