@@ -13,6 +13,7 @@ built on the optimizer `auto_shard` returns.
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 
 import torch
@@ -51,7 +52,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {i}: loss {loss.item():.4f} (lr {opt.param_groups[0]['lr']:.2e} next)")
 
-    path = args.checkpoint or _shared_tempdir()
+    path = args.checkpoint or _shared_tempdir()  # (a temporary one is removed at the end)
     dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
     expected = partir_torch.step(model, opt, tokens, targets).item()
 
@@ -67,6 +68,9 @@ def main() -> None:
     restored = partir_torch.step(again, opt2, tokens, targets).item()
     if rank == 0:
         print(f"checkpoint {path}: next loss {expected:.6f} trained on, {restored:.6f} restored")
+    dist.barrier()  # every rank has read it
+    if rank == 0 and args.checkpoint is None:
+        shutil.rmtree(path, ignore_errors=True)
     dist.destroy_process_group()
 
 

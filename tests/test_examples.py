@@ -74,17 +74,19 @@ def test_lightning_example_trains_with_the_strategy(one_device_loss):
 
 def test_torchrun_example_plans_trains_and_restores_a_dcp_checkpoint(tmp_path):
     """`torchrun --nproc-per-node 4` on CPU (gloo): rank 0 plans, every rank trains, a DCP checkpoint saved and
-    loaded into a model sharded again gives the same next loss."""
+    loaded into a model sharded again gives the same next loss; its temporary directory is gone at the end."""
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_USE_SPMD")}
-    res = subprocess.run([str(torchrun), "--nproc-per-node", "4", str(EXAMPLES / "torchrun_gpt.py"), "--checkpoint",
-                          str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=600, env=env)
+    (tmp_path / "tmp").mkdir()
+    res = subprocess.run([str(torchrun), "--nproc-per-node", "4", str(EXAMPLES / "torchrun_gpt.py")],
+                         capture_output=True, text=True, timeout=600, env={**env, "TMPDIR": str(tmp_path / "tmp")})
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert "parameters sharded:" in out and out.count("step ") >= 3
     line = next(x for x in out.splitlines() if x.startswith("checkpoint"))
     trained, restored = (float(x.split()[0]) for x in line.split("next loss ")[1].split(", "))
     assert restored == trained, line
+    assert not list((tmp_path / "tmp").glob("partir-*")), "the example left its checkpoint behind"
 
 
 def test_lightning_example_on_the_torch_backend_launches_ranks_and_checkpoints_whole_tensors(tmp_path,
