@@ -104,7 +104,9 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
         raise PartirError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     opts = Options.of(options, **overrides)
     backend = choose_backend(backend)
-    if _backend_of(model) is not None:
+    from partir_torch.backends.held import held_by
+
+    if held_by(model) is not None:
         raise PartirError(f"{type(model).__name__} is already sharded by partir_torch; call "
                           "partir_torch.unshard(model) first to plan and shard it again")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -151,20 +153,14 @@ def _warn_scheduler(optimizer: torch.optim.Optimizer) -> None:
                       "returned optimizer, or point it there (`scheduler.optimizer = optimizer`)", stacklevel=3)
 
 
-def _backend_of(model: nn.Module) -> str | None:
-    """Which backend sharded `model` (None: not sharded)."""
-    from partir_torch.backends.distributed import engine
+def _engine(model: nn.Module):
+    """The engine holding `model` (`backends.held`), or an error saying to shard it first."""
+    from partir_torch.backends.held import held_by
 
-    if engine.sharded(model) is not None:
-        return "torch"
-    import importlib.util
-
-    if importlib.util.find_spec("torch_xla") is not None:
-        from partir_torch.backends import xla
-
-        if xla.sharded(model) is not None:
-            return "xla"
-    return None
+    engine = held_by(model)
+    if engine is None:
+        raise PartirError(f"{type(model).__name__} is not sharded: call partir_torch.auto_shard first")
+    return engine
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tensor, local: bool = False,
@@ -175,20 +171,7 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
     `accumulate=k` (torch backend): the batch's rows in k microbatches, their gradients averaged, one update
     (the default: `Options.accumulate`, what the plan was made for); a batch of another shape than the example
     runs the same plan made again for it, kept for the next."""
-    which = _backend_of(model)
-    if which is None:
-        raise PartirError(f"{type(model).__name__} is not sharded: call partir_torch.auto_shard first")
-    if which == "torch":
-        from partir_torch.backends.distributed import steps
-
-        return steps.step(model, optimizer, *batch, local=local, accumulate=accumulate)
-    from partir_torch.backends import xla
-
-    if local or accumulate not in (None, 1):
-        raise PartirError("local=True and accumulate= are the torch backend's; on XLA pass the global batch, and "
-                          "accumulate in your loop")
-    rec = xla.sharded(model)
-    return xla.train_step(model, optimizer, rec.loss_fn, batch)
+    return _engine(model).step(model, optimizer, *batch, local=local, accumulate=accumulate)
 
 
 def start_runtime(mesh) -> None:
@@ -205,13 +188,7 @@ def start_runtime(mesh) -> None:
 def unshard(model: nn.Module) -> nn.Module:
     """Undo `auto_shard`: the model's own parameter and buffer objects back, holding the trained values, its
     hooks removed, `partir_plan` gone. The optimizer `auto_shard` returned is not usable after this."""
-    if _backend_of(model) == "torch":
-        from partir_torch.backends.distributed import engine
-
-        return engine.unshard(model)
-    from partir_torch.backends import xla
-
-    return xla.unshard(model)
+    return _engine(model).unshard(model)
 
 
 def shard_batch(model: nn.Module, *batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -227,14 +204,15 @@ def verify(model: nn.Module, example_inputs, *, plan: ShardingPlan | None = None
     """Hold what the engine runs against the plan's prediction: collectives by kind and mesh axis, per-device
     memory, and (`steps`, `numerics`) the losses against the unsharded step. On the torch backend the rank
     program's own collectives and memory (`backends.distributed.verify`); on XLA its compiled HLO
-    (`backends.verify.verify`; `kwargs` go there; `plan` default: `model.partir_plan`)."""
-    if _backend_of(model) == "torch":
-        from partir_torch.backends.distributed.verify import verify as verify_rank
+    (`backends.verify.verify`; `kwargs` go there; `plan` default: `model.partir_plan`; a model not sharded is
+    verified against `plan` with `loss_fn=` and `optimizer=`)."""
+    from partir_torch.backends.held import held_by
 
-        return verify_rank(model, example_inputs, **kwargs)
+    engine = held_by(model)
+    if engine is not None:
+        return engine.verify(model, example_inputs, **({"plan": plan} if plan is not None else {}), **kwargs)
     from partir_torch.backends.verify import verify as verify_plan
 
-    plan = plan if plan is not None else getattr(model, "partir_plan", None)
     if plan is None:
         raise PartirError("this model has no plan: shard it with auto_shard, or call partir_torch.verify(model, "
                           "inputs, plan=plan, loss_fn=..., optimizer=...)")

@@ -34,6 +34,7 @@ from pytorch_lightning.strategies import DDPStrategy
 
 from partir_torch import _compat
 from partir_torch.backends.distributed.variants import Undivided
+from partir_torch.backends.held import held_by
 from partir_torch.errors import PartirError
 from partir_torch.lightning.common import _loss_of, _repoint, _Silenced
 from partir_torch.options import Options
@@ -167,12 +168,8 @@ class TorchAutoShardStrategy(DDPStrategy):
         return closure()  # the step (forward, backward, clipping, update) is the rank program, run by the closure
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        module = self.lightning_module
-        if not self._sharded:
-            return super().lightning_module_state_dict()
-        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        engine = held_by(self.lightning_module)
+        return super().lightning_module_state_dict() if engine is None else engine.state_dict(self.lightning_module)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -183,10 +180,9 @@ class TorchAutoShardStrategy(DDPStrategy):
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def teardown(self) -> None:
-        from partir_torch.backends.distributed import engine
-
         module = self.lightning_module
-        if module is not None and engine.sharded(module) is not None:
+        engine = held_by(module) if module is not None else None
+        if engine is not None:
             engine.unshard(module)
         self.optimizers = []
         super().teardown()

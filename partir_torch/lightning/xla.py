@@ -172,10 +172,11 @@ class AutoShardStrategy(SingleDeviceStrategy):
                                super().optimizer_state(optimizer))
 
     def teardown(self) -> None:
-        from partir_torch.backends import xla
+        from partir_torch.backends.held import held_by
 
         module = self.lightning_module
-        if module is not None and xla.sharded(module) is not None:
-            xla.unshard(module)
+        engine = held_by(module) if module is not None else None
+        if engine is not None:
+            engine.unshard(module)
         self.optimizers = []
         super().teardown()

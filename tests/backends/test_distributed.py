@@ -472,3 +472,34 @@ def test_ranks_that_hold_different_values_are_named_by_value():
     with pytest.raises(DistributedError, match=r"the ranks hold different plans \(digests by rank: "
                                                r"\{'a1': \[0, 2\], 'b2': \[1\]\}\); seed them alike"):
         _agree(["a1", "b2", "a1"], "plans", "digests", "seed them alike")
+
+
+def reshard_case(rank, world):
+    """Unshard mid-training (say, to save whole weights), then shard again with the optimizer `auto_shard`
+    returned: it is the user's AdamW again, on the model's own parameters with its trained states."""
+    import partir_torch
+
+    model, inputs, loss_fn = build("tiny-gpt2", True)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt = partir_torch.auto_shard(model, inputs, "batch=2", loss_fn=loss_fn, cache=False, progress=False,
+                                         optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                         schedule=EXPERTS["2"])
+    plan = model.partir_plan
+    partir_torch.step(model, opt, *inputs)
+    partir_torch.unshard(model)
+    own = {id(p) for p in model.parameters()}
+    plain = type(opt) is torch.optim.AdamW and all(id(p) in own for g in opt.param_groups for p in g["params"])
+    model, opt = partir_torch.auto_shard(model, inputs, "batch=2", loss_fn=loss_fn, optimizer=opt, plan=plan)
+    got = float(partir_torch.step(model, opt, *inputs))
+    for _ in range(2):
+        loss = loss_fn(ref, *inputs)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return plain, got, float(loss.detach())
+
+
+def test_the_returned_optimizer_survives_unshard_and_shards_again_with_its_state(two):
+    for plain, got, want in two.run(reshard_case):
+        assert plain and got == pytest.approx(want, rel=1e-6)  # (the zoo GPT casts its softmax to float32)

@@ -32,6 +32,7 @@ from partir_torch.backends.distributed.rank import RankProgram, trace
 from partir_torch.backends.distributed.reshard import Exchange
 from partir_torch.backends.distributed.runtime import DistributedError, RankMesh
 from partir_torch.backends.distributed.variants import Built, Variant
+from partir_torch.backends.held import hold, release
 from partir_torch.capture.loop import stack
 from partir_torch.capture.optim import SCHEDULER_KEYS, OptimizerSpec
 from partir_torch.ir.mesh import Mesh
@@ -169,6 +170,9 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
         raise
     _SHARDED[model] = rec
     model.partir_plan = plan
+    from partir_torch.backends.distributed import TorchEngine
+
+    hold(model, TorchEngine())
     return opt
 
 
@@ -302,8 +306,12 @@ def check_batch(program: Program, state: ShardingState, rm: RankMesh, batch: Seq
 
 
 def unshard(model: nn.Module) -> nn.Module:
-    """Undo `apply`: the caller's own parameter and buffer objects back, holding the trained (whole) values."""
+    """Undo `apply`: the caller's own parameter and buffer objects back, holding the trained (whole) values; the
+    optimizer `apply` returned becomes its torch.optim class again, on those parameters, its states whole (a
+    plain loop trains on with it, or `auto_shard(..., optimizer=it)` shards it again, states and all)."""
     rec = require(model)
+    if rec.optimizer is not None:
+        _unshard_optimizer(rec)
     model.__dict__.pop("forward", None)
     model.__dict__.pop("zero_grad", None)
     done: set[int] = set()
@@ -316,5 +324,20 @@ def unshard(model: nn.Module) -> nn.Module:
             done.add(id(orig))
         setattr(mod, attr, orig)
     del _SHARDED[model]
+    release(model)
     model.__dict__.pop("partir_plan", None)
     return model
+
+
+def _unshard_optimizer(rec: Sharded) -> None:
+    from collections import defaultdict
+
+    opt = rec.optimizer
+    by_name = {n: p for p in (o for _, _, o in rec.originals) for n in [rec.names.get(id(p))] if n is not None}
+    mine = {id(rec.tensors[n]): p for n, p in by_name.items() if n in rec.tensors}
+    for g in opt.param_groups:
+        g["params"] = [mine[id(p)] for p in g["params"]]
+    opt.state = defaultdict(dict, {mine[id(p)]: {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                                                 for k, v in st.items()} for p, st in opt.state.items()})
+    opt.__class__ = next(c for c in type(opt).__mro__[1:] if c is not _PlannedStep)  # (the user's class)
+    opt.__dict__.pop("_opt_called", None)

@@ -15,6 +15,7 @@ import torch.nn as nn
 from partir_torch import _compat
 from partir_torch.backends.common import initial_states, rebuild_optimizer
 from partir_torch.backends.common import slots as tensor_slots
+from partir_torch.backends.held import hold, release
 from partir_torch.backends.xla.constraints import CallConstraints, _ReadAs, constrain, constrain_by_shape, grad_hook
 from partir_torch.backends.xla.lowerings import Lowerings
 from partir_torch.backends.xla.runtime import XlaError, _mark, _materialize, _spec, _to_device, _xla, device_mesh
@@ -95,6 +96,9 @@ def shard_module(model: nn.Module, plan: ShardingPlan, mesh=None, *, lowerings: 
         raise
     _SHARDED[model] = record
     model.partir_plan = plan
+    from partir_torch.backends.xla.held import XlaEngine
+
+    hold(model, XlaEngine())
     return record
 
 
@@ -300,6 +304,7 @@ def discard(model: nn.Module) -> None:
     rec = _require(model)
     _restore(model, rec)
     del _SHARDED[model]
+    release(model)
     model.__dict__.pop("partir_plan", None)
 
 
@@ -325,6 +330,7 @@ def unshard(model: nn.Module) -> nn.Module:
     for mod, attr, orig in rec.originals:
         setattr(mod, attr, copied[id(orig)])
     del _SHARDED[model]
+    release(model)
     model.__dict__.pop("partir_plan", None)
     return model
 
