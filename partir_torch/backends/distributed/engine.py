@@ -38,9 +38,9 @@ from partir_torch.capture.optim import SCHEDULER_KEYS, OptimizerSpec
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Program
 from partir_torch.ir.sharding import Sharding
+from partir_torch.lower.local import region
 from partir_torch.plan import ShardingPlan
 from partir_torch.propagate import ShardingState
-from partir_torch.simulate import region
 
 
 def placements(sh: Sharding, mesh: Mesh) -> list:

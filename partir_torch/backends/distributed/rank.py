@@ -23,21 +23,19 @@ dropout mask is the unsharded one (`rules/random.py`); only a draw whose operand
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
 from partir_torch import _compat
 from partir_torch.backends.distributed.reshard import Exchange, run_walk
 from partir_torch.errors import PartirError
-from partir_torch.ir.program import Ref
 from partir_torch.ir.sharding import Sharding
 from partir_torch.lower import dedup_key, pull_back, relayouts, required_operand
 from partir_torch.lower.layout import Layout, Step, walk
+from partir_torch.lower.local import SHAPE_ARG, local_args, run_local, subst
 from partir_torch.propagate import ShardingState
 from partir_torch.rules.base import op_tags, tensor_args, where
 from partir_torch.rules.random import SEEDED_TAG
-from partir_torch.simulate import _SHAPE_ARG, local_args, run_local
 
 # random ops whose tensor operand gives only a shape and dtype: drawn on an empty tensor of the global shape
 SHAPE_ONLY = frozenset({"aten.rand_like.default", "aten.randn_like.default", "aten.randint_like.default",
@@ -122,9 +120,9 @@ class RankProgram:
         for o, out_sh in reversed(chain):
             op = prog.ops[o]
             it = iter([x.contiguous()])
-            args = _subst(op.args, it)
-            if op.target in _SHAPE_ARG:
-                k = _SHAPE_ARG[op.target]
+            args = subst(op.args, it)
+            if op.target in SHAPE_ARG:
+                k = SHAPE_ARG[op.target]
                 local = out_sh.local_shape(prog.values[op.outputs[0]].shape, self.state.mesh)
                 args = (*args[:k], list(local), *args[k + 1:])
             x = op.overload(*args, **dict(op.kwargs))
@@ -166,7 +164,7 @@ class RankProgram:
             operands = [env[v] for v in meta]
         contiguous = op.target in _CONTIGUOUS
         it = iter(x.contiguous() if contiguous else x for x in operands)
-        args, kwargs = local_args(op, _subst(op.args, it), {k: _subst(a, it) for k, a in op.kwargs}, state)
+        args, kwargs = local_args(op, subst(op.args, it), {k: subst(a, it) for k, a in op.kwargs}, state)
         out = run_local(op, args, kwargs, state, self.exchange.coord)
         outs = [t for o_id, t in zip(op.outputs, out if isinstance(out, (tuple, list)) else [out]) if o_id >= 0]
         for r, (v, t) in enumerate(zip(results, outs)):
@@ -219,7 +217,7 @@ class RankProgram:
             whole = [self.reshard(env, cache, v, state.shard[v], Sharding.replicated(len(vals[v].shape)))
                      for v in ins]
         it = iter(whole)
-        out = op.overload(*_subst(op.args, it), **{k: _subst(a, it) for k, a in op.kwargs})
+        out = op.overload(*subst(op.args, it), **{k: subst(a, it) for k, a in op.kwargs})
         outs = [t for o_id, t in zip(op.outputs, out if isinstance(out, (tuple, list)) else [out]) if o_id >= 0]
         local = [self.exchange._local(t, Layout.of(Sharding.replicated(t.dim())), Layout.of(state.op_output(op.id, r)),
                                       tuple(t.shape)) for r, t in enumerate(outs)]
@@ -246,16 +244,6 @@ def draws(op) -> bool:
         p = dict(op.kwargs).get("dropout_p", op.args[i] if i < len(op.args) else 0.0)
         return bool(p)
     return True
-
-
-def _subst(a: Any, it) -> Any:
-    if isinstance(a, Ref):
-        return next(it)
-    if isinstance(a, list):
-        return [_subst(x, it) for x in a]
-    if isinstance(a, tuple):
-        return tuple(_subst(x, it) for x in a)
-    return a
 
 
 def trace(program: RankProgram, local: Sequence[torch.Tensor]) -> torch.fx.GraphModule:

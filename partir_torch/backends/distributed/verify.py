@@ -89,7 +89,7 @@ def _whole(t: torch.Tensor, v: int, rec: engine.Sharded) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(rec.rank_mesh.world)]
     dist.all_gather(parts, t.contiguous())
     from partir_torch.backends.distributed.reshard import coords
-    from partir_torch.simulate import region
+    from partir_torch.lower.local import region
 
     out = torch.empty(val.shape, dtype=t.dtype, device=t.device)
     for c, part in zip(coords(rec.rank_mesh.mesh), parts):
