@@ -72,6 +72,10 @@ class Options:
                                              "torch.nn.utils.clip_grad_norm_ (over every shard)", metavar="NORM")
     max_grad_value: float | None = _opt(None, "clip each gradient element to [-v, v] before the update, as "
                                               "torch.nn.utils.clip_grad_value_", metavar="V")
+    # how the torch backend runs the plan (the cost model counts its calls the same way)
+    bucket_cap: str | int = _opt("25MiB", "the torch backend's reduction buckets: reductions of one kind, mesh axis "
+                                          "and dtype issued as one collective up to this many bytes (DDP's "
+                                          "gradient buckets)", metavar="BYTES")
     # ablations (benchmarks/search.py): no propagation-based pruning of actions / no per-axis goals
     prune: bool = _opt(True, "ablation: offer every syntactically possible action", flag="")
     goals: bool = _opt(True, "ablation: one joint tree for the plain step time", flag="")
@@ -83,6 +87,8 @@ class Options:
             raise PartirError(f"progress must be None, True, False, 'bar' or 'lines', got {self.progress!r}")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise PartirError(f"accumulate must be a whole number of microbatches >= 1, got {self.accumulate!r}")
+        if not _positive_bytes(self.bucket_cap):
+            raise PartirError(f"bucket_cap must be a positive size (25MiB, 4096), got {self.bucket_cap!r}")
         for name in ("max_grad_norm", "max_grad_value"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool) and v > 0):
@@ -106,6 +112,17 @@ class Options:
     def planning(self) -> dict[str, Any]:
         """The fields that decide the plan (not how it is shown or whether the cache is read): a cache key's."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("progress", "cache")}
+
+
+def _positive_bytes(value: Any) -> bool:
+    import re
+
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return value > 0
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", str(value))
+    return bool(m) and float(m.group(1)) > 0
 
 
 def add_flags(parser: argparse.ArgumentParser, only: Iterable[str] | None = None) -> None:

@@ -89,7 +89,9 @@ class VerifyReport:
         if len(self.by_axis) > 1:
             rows = [f"{r['kind']} over {','.join(r['axes'])}: {format_bytes(r['predicted'])} predicted, "
                     f"{format_bytes(r['measured'])} measured"
-                    + (f" ({r['measured'] / r['predicted']:.2f})" if r["predicted"] else "") for r in self.by_axis]
+                    + (f" ({r['measured'] / r['predicted']:.2f})" if r["predicted"] else "")
+                    + (f", {r['measured_calls']} calls ({r['predicted_calls']} predicted)"
+                       if "measured_calls" in r else "") for r in self.by_axis]
             lines.append("by mesh axis: " + "; ".join(rows))
         for u in self.unexpected_collectives:
             lines.append(f"UNEXPECTED: {u['count']} x {u['kind']} over {','.join(u['axes']) or '-'}: "

@@ -47,6 +47,8 @@ class Hardware:
     # attention runs as a flash kernel (saves the log-sum-exp for the backward) or as plain math (saves the
     # [B, H, T, S] probabilities): torch_xla's SDPA has no flash kernel unless one is called explicitly
     flash_attention: bool = True
+    # the engine's reduction buckets (`Options.bucket_cap`, `lower/buckets.py`): one call each, priced so
+    bucket_cap: float = 25 * 2**20
 
     def __post_init__(self) -> None:
         for f in fields(self):

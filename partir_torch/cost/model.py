@@ -29,6 +29,7 @@ from partir_torch.cost.hardware import Hardware, check_mesh
 from partir_torch.cost.report import COLLECTIVES, CostReport, collective_time, op_flops
 from partir_torch.cost.tables import Cache, Memo, Static, op_compute, tables
 from partir_torch.lower import op_needs, relayout_root
+from partir_torch.lower.buckets import coalesced
 from partir_torch.propagate import Changes, ShardingState
 
 __all__ = ["CostReport", "collective_time", "evaluate", "op_flops"]
@@ -247,6 +248,7 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
     comm_bytes: dict[str, dict[str, int]] = {}
     temps = np.zeros(n_ops, dtype=np.int64)  # collective output buffers (all-gathers) at the op needing them
     comm_fused: dict[str, int] = {}
+    n_calls_by: dict[str, dict[str, int]] = {}  # kind -> axis -> collective calls, buckets coalesced
     if colls:
         names = state.mesh.names
         n_ax = len(names)
@@ -285,6 +287,26 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
                 np.add.at(d, np.minimum(start, a0[many]), extra)
                 np.add.at(d, a1[many] + 1, -extra)
             temps = np.cumsum(d[:n_ops])
+        # the torch backend's buckets (`lower/buckets.py`): one call a bucket, not one a reduction (each call
+        # pays the axis's latency: it is the bytes' time that adds up), and a bucket's buffer where it is issued
+        sizes = [len(memo.slot_colls[s]) for s in win.tolist()]
+        calls, buffers = coalesced(colls, np.repeat(st.slot_w[win], sizes).tolist(), state.program, hw.bucket_cap)
+        counted: dict[tuple[str, str], int] = {}
+        for c, w in zip(colls, np.repeat(st.slot_w[win], sizes).tolist()):
+            counted[(c.kind, c.axis)] = counted.get((c.kind, c.axis), 0) + w
+        for (kind, axis), n_calls in calls.items():
+            n, fewer = state.mesh.size(axis), counted.get((kind, axis), 0) - n_calls
+            if fewer and n > 1:
+                alpha = hw.dcn_latency if axis in dcn_axes else hw.link_latency
+                by_axis[axis] -= fewer * alpha * (2 * (n - 1) if kind == "all-reduce" else n - 1)
+        for kind, axis in calls:
+            n_calls_by.setdefault(kind, {})[axis] = calls[(kind, axis)]
+        if buffers and n_ops:
+            spike = np.zeros(n_ops + 1, dtype=np.int64)
+            for at, nb in buffers:
+                spike[min(at, n_ops - 1)] += nb
+                spike[min(at, n_ops - 1) + 1] -= nb
+            temps = temps + np.cumsum(spike[:n_ops])
 
     # memory by liveness
     base = int((lb[st.pers_vid] * st.pers_w).sum())
@@ -346,6 +368,6 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
         param_bytes_per_device=int((lb[st.param_vid] * st.param_w).sum()),
         opt_state_bytes_per_device=int((lb[st.opt_vid] * st.opt_w).sum()),
         memory_limit=hw.memory if memory_limit is None else memory_limit, collectives=colls,
-        comm_bytes_fused=comm_fused,
+        comm_bytes_fused=comm_fused, calls=n_calls_by,
     )
 

@@ -52,6 +52,7 @@ class CostReport:
     opt_state_bytes_per_device: int
     memory_limit: float
     collectives: list[Collective] = field(default_factory=list, repr=False)
+    calls: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> axis -> calls, buckets coalesced
     # {kind: bytes per device} with each reshard's steps fused as an SPMD compiler emits them (`lower.fused`)
     comm_bytes_fused: dict[str, int] = field(default_factory=dict)
 
@@ -69,7 +70,7 @@ class CostReport:
             "peak_memory_bytes": self.peak_memory_bytes, "memory_by_role": self.memory_by_role,
             "top_at_peak": [list(t) for t in self.top_at_peak], "param_bytes_per_device": self.param_bytes_per_device,
             "opt_state_bytes_per_device": self.opt_state_bytes_per_device, "memory_limit": self.memory_limit,
-            "feasible": self.feasible,
+            "feasible": self.feasible, "calls": self.calls,
         }
 
     def __str__(self) -> str:

@@ -314,3 +314,27 @@ def count(steps: list[Step]) -> list[tuple[str, str, int]]:
     return [(s.kind, s.axis, s.nbytes) for s in steps if s.collective]
 
 
+def along(parts: list[list[np.ndarray]], whole: list[np.ndarray]) -> int | None:
+    """The dim along which `parts` (per member, per dim indices), joined in member order in blocks of one size,
+    make `whole` while every other dim is `whole`'s; None when they do not."""
+    found = None
+    for d, w in enumerate(whole):
+        cols = [p[d] for p in parts]
+        if all(len(c) == len(w) and (c == w).all() for c in cols):
+            continue
+        if found is not None:
+            return None
+        joined = np.concatenate(cols)
+        if len(joined) != len(w) or (joined != w).any() or len({len(c) for c in cols}) > 1:
+            return None
+        found = d
+    return found if found is not None else (0 if len(parts) == 1 else None)
+
+
+def scatter_dim(step: Step, shape: tuple[int, ...], mesh: Mesh) -> int | None:
+    """The dim a reduce-scatter step's destination blocks lie along, in member order (None: not along one);
+    the same on every device, read at the first."""
+    coord = dict.fromkeys(mesh.names, 0)
+    n = mesh.size(step.axis)
+    return along([step.dst.index(mesh, shape, {**coord, step.axis: k}) for k in range(n)],
+                 step.src.index(mesh, shape, coord))

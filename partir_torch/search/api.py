@@ -63,7 +63,10 @@ class SearchConfig:
     def of(cls, options: Options, dcn_axes: frozenset[str] = frozenset()) -> SearchConfig:
         """The search's setting of the user's `options`, resolved: the hardware preset, the memory limit in
         bytes, the budget."""
-        return cls(get_hardware(options.hardware or DEFAULT_HARDWARE), frozenset(dcn_axes), parse_bytes(options.memory),
+        hw = get_hardware(options.hardware or DEFAULT_HARDWARE)
+        cap = parse_bytes(options.bucket_cap)
+        hw = hw if cap == hw.bucket_cap else replace(hw, bucket_cap=cap)  # (the engine's buckets, priced)
+        return cls(hw, frozenset(dcn_axes), parse_bytes(options.memory),
                    options.seed, Budget.parse(options.budget), options.algorithm, options.progress,
                    prune=options.prune, goals=options.goals)
 

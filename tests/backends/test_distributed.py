@@ -149,7 +149,8 @@ def check(results, *, memory_tolerance=0.15):
         assert any(row["predicted"] > 0 and row["measured"] > 0 for row in r["rows"]), r["rows"]
         assert max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(r["losses"], r["ref"])) <= 1e-5, r
         assert r["rel"] <= 1e-5, r
-        bad = [row for row in r["rows"] if abs(row["measured"] - row["predicted"]) > 0.01 * max(1, row["predicted"])]
+        bad = [row for row in r["rows"] if abs(row["measured"] - row["predicted"]) > 0.01 * max(1, row["predicted"])
+               or row["measured_calls"] != row["predicted_calls"]]  # (reductions bucketed as planned)
         assert not bad and not r["unexpected"], (bad, r["unexpected"])
         measured, predicted = r["mem"]
         assert abs(measured / predicted - 1) <= memory_tolerance, r["mem"]
@@ -162,7 +163,8 @@ def test_check_refuses_a_run_that_shards_nothing():
         check([run])
     with pytest.raises(AssertionError):
         check([{**run, "axes": ["batch"]}])  # split, but no collective row ran
-    check([{**run, "axes": ["batch"], "rows": [{"predicted": 64, "measured": 64}]}])
+    check([{**run, "axes": ["batch"], "rows": [{"predicted": 64, "measured": 64, "predicted_calls": 1,
+                                               "measured_calls": 1}]}])
 
 
 EXPERTS = {"4": "batch:BatchParallel;model:Megatron;batch:ZeRO(1)", "2": "batch:FSDP"}

@@ -38,6 +38,7 @@ from partir_torch.capture.optim import SCHEDULER_KEYS, OptimizerSpec
 from partir_torch.ir.mesh import Mesh
 from partir_torch.ir.program import Program
 from partir_torch.ir.sharding import Sharding
+from partir_torch.lower.buckets import DEFAULT_CAP
 from partir_torch.lower.local import region
 from partir_torch.plan import ShardingPlan
 from partir_torch.propagate import ShardingState
@@ -120,7 +121,8 @@ def _broadcast(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan, state: ShardingState,
-          rank_mesh: RankMesh, *, compile: bool = False, loss_fn=None, fallback: bool = False) -> torch.optim.Optimizer:
+          rank_mesh: RankMesh, *, compile: bool = False, loss_fn=None, fallback: bool = False,
+          bucket_cap: int | None = DEFAULT_CAP) -> torch.optim.Optimizer:
     """Shard `model` and rebuild `optimizer` as `plan` (whose state is `state`) says, on this rank; on any
     failure the model is as it was and the caller's optimizer untouched. Returns the new optimizer."""
     from torch.distributed.tensor import DTensor
@@ -136,8 +138,8 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
                                "shards real tensors; build the model with weights (on the CPU), or use backend='xla'")
     names = {id(p): n for n, p in model.named_parameters()}
     bnames = {id(b): n for n, b in model.named_buffers()}
-    rec = Sharded(plan, state, rm, RankProgram(state, Exchange(mesh, rm.coord, rm.groups)), None,
-                  [(m, a, t) for m, a, t, _ in every], names, loss_fn=loss_fn, fallback=fallback)
+    rec = Sharded(plan, state, rm, RankProgram(state, Exchange(mesh, rm.coord, rm.groups), bucket_cap=bucket_cap),
+                  None, [(m, a, t) for m, a, t, _ in every], names, loss_fn=loss_fn, fallback=fallback)
     try:
         made: dict[int, torch.Tensor] = {}
         for mod, attr, t, is_param in every:

@@ -10,7 +10,7 @@ its last reference goes), the inputs it holds (parameters, states, the batch's p
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from partir_torch.backends.distributed.engine import Sharded, check_batch, rank_
 from partir_torch.lower import lower, summarize
 
 COLLECTIVE_OPS = {"all_gather_into_tensor": "all-gather", "reduce_scatter_tensor": "reduce-scatter",
-         "all_reduce": "all-reduce", "all_to_all_single": "all-to-all"}
+                  "all_reduce": "all-reduce", "all_reduce_": "all-reduce", "all_to_all_single": "all-to-all"}
 
 
 class CountCollectives(_compat.TorchDispatchMode):
@@ -101,18 +101,32 @@ def predicted(rec: Sharded) -> dict[str, dict[str, int]]:
     return {k: dict(v) for k, v in summarize(lower(rec.state)).items()}
 
 
+def predicted_calls(rec: Sharded) -> dict[tuple[str, str], int]:
+    """The calls the rank program makes per (kind, axis): `lower`'s collectives, a planned bucket's members
+    (`lower/buckets.py`) one call a bucket."""
+    calls = Counter((c.kind, c.axis) for c in lower(rec.state))
+    for b in rec.program.buckets_plan:
+        calls[(b.kind, b.axis)] += 1 - len(b.members)
+    return dict(calls)
+
+
 def compare(rec: Sharded, run: RankRun, hardware: str | None = None) -> dict[str, Any]:
-    """Predicted against measured: bytes per kind and axis, the collectives the plan does not list, memory."""
+    """Predicted against measured: bytes and calls per kind and axis, the collectives the plan does not list,
+    memory."""
     from partir_torch.cost.hardware import hardware as preset
     from partir_torch.cost.model import evaluate
 
     pred = predicted(rec)
-    report = evaluate(rec.state, preset(hardware or rec.plan.hardware or "cpu-virtual"))
+    cap = rec.program.bucket_cap
+    report = evaluate(rec.state, preset(hardware or rec.plan.hardware or "cpu-virtual",
+                                        **({"bucket_cap": cap} if cap else {})))
+    calls, ran = predicted_calls(rec), Counter((kind, axis) for kind, axis, _ in run.collectives)
     rows = []
     for kind in sorted(set(pred) | set(run.comm_bytes)):
         for axis in sorted(set(pred.get(kind, {})) | set(run.comm_bytes.get(kind, {}))):
             p, m = pred.get(kind, {}).get(axis, 0), run.comm_bytes.get(kind, {}).get(axis, 0)
-            rows.append({"kind": kind, "axes": [axis], "predicted": p, "measured": m})
+            rows.append({"kind": kind, "axes": [axis], "predicted": p, "measured": m,
+                         "predicted_calls": calls.get((kind, axis), 0), "measured_calls": ran[(kind, axis)]})
     unexpected = [{"kind": r["kind"], "axes": r["axes"], "count": 0, "bytes": r["measured"]}
                   for r in rows if r["measured"] and not r["predicted"]]
     return {"by_axis": rows, "unexpected": unexpected, "predicted_peak": int(report.peak_memory_bytes),

@@ -27,10 +27,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from partir_torch import _compat
+from partir_torch.backends.distributed.buckets import Buckets
 from partir_torch.backends.distributed.reshard import Exchange, run_walk
 from partir_torch.errors import PartirError
 from partir_torch.ir.sharding import Sharding
 from partir_torch.lower import dedup_key, pull_back, relayouts, required_operand
+from partir_torch.lower.buckets import DEFAULT_CAP, plan, reductions
 from partir_torch.lower.layout import Layout, Step, walk
 from partir_torch.lower.local import SHAPE_ARG, local_args, run_local, subst
 from partir_torch.propagate import ShardingState
@@ -60,12 +62,23 @@ class RankProgram:
     forward) the program's other outputs last, replicated."""
 
     def __init__(self, state: ShardingState, exchange: Exchange, *, grads: bool = False, outputs: bool = False,
-                 on_step: Callable[[int, Step], None] | None = None) -> None:
+                 on_step: Callable[[int, Step], None] | None = None, bucket_cap: int | None = DEFAULT_CAP) -> None:
         self.state, self.program, self.exchange = state, state.program, exchange
         self.relay = relayouts(self.program, state.rules)
         self.grads, self.outputs = grads, outputs
+        self.bucket_cap = bucket_cap  # None: every reduction alone, waited at once (`buckets.py`)
         self.on_step = on_step  # (value, step): each step the rank runs, as it runs it
         self._walks: dict[tuple, list[Step]] = {}
+        self.buckets_plan = plan(reductions(state), bucket_cap) if bucket_cap is not None else []
+        # where each member is put: a result's reshard (value -> its slot), a value read reduced (value -> slots)
+        self.result_slot: dict[int, tuple] = {}
+        self.put_after: dict[int, list[tuple]] = {}
+        for b in self.buckets_plan:
+            for m in b.members:
+                if m.src == state.shard[m.value]:
+                    self.put_after.setdefault(m.value, []).append(m.slot)
+                else:
+                    self.result_slot[m.value] = m.slot
 
     @property
     def inputs(self) -> list[int]:
@@ -131,12 +144,14 @@ class RankProgram:
     # -- the step --------------------------------------------------------------------------------------
     def __call__(self, *local: torch.Tensor) -> list[torch.Tensor]:
         state, prog = self.state, self.program
-        env: dict[int, torch.Tensor] = dict(zip(self.inputs, local))
+        ex = self.exchange
+        self.buckets = Buckets(self.buckets_plan, lambda a: ex.groups[a].group_name, state)
+        env: dict[int, torch.Tensor] = _Lazy(self.buckets, zip(self.inputs, local), self.result_slot)
         for attr, vid in prog.constants.items():
             const = getattr(prog.graph_module, attr)
             env[vid] = self.exchange._local(const, Layout.of(Sharding.replicated(const.dim())),
                                             Layout.of(state.shard[vid]), tuple(const.shape))
-        cache: dict = {}
+        cache: dict = _Lazy(self.buckets, (), {})
         donate = self._donations()
         for op in prog.ops:
             try:
@@ -171,15 +186,35 @@ class RankProgram:
             k = state.mean_scale(op.id, r)
             if k > 1:
                 t = t / k
-            env[v] = self.reshard(env, cache, v, state.op_output(op.id, r), state.shard[v], t)
+            env[v] = self._result(env, cache, v, state.op_output(op.id, r), state.shard[v], t)
+            for slot in self.put_after.get(v, ()):  # read reduced later: its reduction starts now, in a bucket
+                self.buckets.put(slot, env[v])
+                for s in self.walk(v, state.shard[v], slot[1]) if self.on_step is not None else ():
+                    self.on_step(v, s)
+                cache[slot] = PENDING
             if v in donate:  # the update written over its input's buffer (donation): freed at once
                 old = prog.updates[v]
                 env[old].copy_(env[v])
                 env[v] = env[old]
 
+    def _result(self, env: dict[int, torch.Tensor], cache: dict, v: int, src: Sharding, dst: Sharding,
+                t: torch.Tensor) -> torch.Tensor:
+        """An op's result `t` (laid out as `src`) resharded to its value's sharding, in a bucket where that is a
+        planned reduction (`lower/buckets.py`): cut from the bucket's result where the value is first read."""
+        slot = self.result_slot.get(v)
+        if slot is not None and slot[1] == dst:
+            self.buckets.put(slot, t)
+            for s in self.walk(v, src, dst) if self.on_step is not None else ():
+                self.on_step(v, s)
+            return PENDING
+        return self.reshard(env, cache, v, src, dst, t)
+
     def _finish(self, env: dict[int, torch.Tensor], cache: dict) -> list[torch.Tensor]:
         """The loss replicated, the updated values in their inputs' shardings (and the gradients)."""
         state, prog = self.state, self.program
+        for lazy in (env, cache):  # (no reduction is left unissued or unwaited)
+            for k in [k for k, x in lazy.items() if x is PENDING]:
+                lazy[k]
         res = []
         if prog.loss is not None:
             res.append(self.reshard(env, cache, prog.loss, state.shard[prog.loss], Sharding.replicated(0)))
@@ -228,6 +263,28 @@ class RankProgram:
         return local
 
 
+PENDING = torch.empty(0)  # an entry whose reduction waits in a bucket (`buckets.py`)
+
+
+class _Lazy(dict):
+    """The rank's values (by id) or resharded values (by the walk's cache key); one still in a bucket is cut
+    from its collective when first read (`slots`: a value's bucket slot, where it is not the key itself)."""
+
+    def __init__(self, buckets: Buckets, items, slots: dict) -> None:
+        super().__init__(items)
+        self.buckets, self.slots = buckets, slots
+
+    def __getitem__(self, k):
+        x = super().__getitem__(k)
+        if x is PENDING:
+            x = self.buckets.take(self.slots.get(k, k))
+            self[k] = x
+        return x
+
+    def get(self, k, default=None):
+        return self[k] if k in self else default  # noqa: SIM401  (dict.get would not read through the bucket)
+
+
 def forward_outputs(program) -> list[int]:
     """A forward program's outputs, the model's (its buffer updates left out), in order."""
     return [v for v in program.outputs if v not in program.updates and program.mode == "inference"]
@@ -265,7 +322,7 @@ def _guard_collective_inputs(gm: torch.fx.GraphModule) -> None:
     gathered), and then the traced `.contiguous()` was elided where the real tensor needs it."""
     ops = _compat.c10d_functional
     collectives = {ops.all_gather_into_tensor.default, ops.reduce_scatter_tensor.default, ops.all_reduce.default,
-                   ops.all_to_all_single.default}
+                   ops.all_reduce_.default, ops.all_to_all_single.default}
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in collectives and isinstance(node.args[0], torch.fx.Node):
             src = node.args[0]

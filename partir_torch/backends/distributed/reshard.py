@@ -22,7 +22,7 @@ import torch
 from partir_torch import _compat
 from partir_torch.errors import PartirError
 from partir_torch.ir.mesh import Mesh
-from partir_torch.lower.layout import Layout, Step
+from partir_torch.lower.layout import Layout, Step, along
 
 
 class ReshardError(PartirError):
@@ -80,7 +80,7 @@ class Exchange:
         axis, n = step.axis, self.mesh.size(step.axis)
         want = self._index(step.dst, shape)
         parts = [self._index(step.src, shape, axis, j) for j in range(n)]
-        d = _along(parts, want)
+        d = along(parts, want)
         if d is not None:
             return _compat.all_gather(x.contiguous(), d, self.groups[axis])
         flat = _compat.all_gather(_padded(x.contiguous().reshape(-1), _largest(parts)), 0, self.groups[axis])
@@ -90,7 +90,7 @@ class Exchange:
         axis, n = step.axis, self.mesh.size(step.axis)
         have = self._index(step.src, shape)
         dests = [self._index(step.dst, shape, axis, k) for k in range(n)]
-        d = _along(dests, have)
+        d = along(dests, have)
         if d is not None:
             return _compat.reduce_scatter(x.contiguous(), "sum", d, self.groups[axis])
         most = _largest(dests)  # (members' blocks padded to the largest: a layout's blocks may be uneven)
@@ -106,7 +106,7 @@ class Exchange:
         srcs = [self._index(step.src, shape, axis, j) for j in range(n)]
         sent = [[np.intersect1d(h, dk) for h, dk in zip(have, dest)] for dest in dests]
         got = [[np.intersect1d(s, w) for s, w in zip(src, want)] for src in srcs]
-        t, s = _along(sent, have), _along(got, want)
+        t, s = along(sent, have), along(got, want)
         if t is not None and s is not None:  # split along t, the pieces received joined along s
             pieces = torch.stack(x.chunk(n, t)).contiguous()
             recv = _compat.all_to_all_single(pieces.reshape(-1), None, None, self.groups[axis])
@@ -124,23 +124,6 @@ def _positions(sub: np.ndarray, full: np.ndarray, what: str) -> np.ndarray:
     if len(sub) and (pos.max(initial=0) >= len(full) or (full[np.minimum(pos, len(full) - 1)] != sub).any()):
         raise ReshardError(f"reshard {what}: the device does not hold the elements it needs")
     return pos
-
-
-def _along(parts: list[list[np.ndarray]], whole: list[np.ndarray]) -> int | None:
-    """The dim along which `parts` (per member, per dim indices), joined in member order in blocks of one size,
-    make `whole` while every other dim is `whole`'s; None when they do not."""
-    found = None
-    for d, w in enumerate(whole):
-        cols = [p[d] for p in parts]
-        if all(len(c) == len(w) and (c == w).all() for c in cols):
-            continue
-        if found is not None:
-            return None
-        joined = np.concatenate(cols)
-        if len(joined) != len(w) or (joined != w).any() or len({len(c) for c in cols}) > 1:
-            return None
-        found = d
-    return found if found is not None else (0 if len(parts) == 1 else None)
 
 
 def _pick(x: torch.Tensor, have: list[np.ndarray], part: list[np.ndarray]) -> torch.Tensor:

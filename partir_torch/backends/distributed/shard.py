@@ -129,6 +129,9 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
         ok = (False, f"{type(e).__name__}: {e}")
     _agree(_everyone(rm, "rebuilding the plan", *ok), "plans", "plan, state digests",
            "every rank must capture the same model, inputs and loss (seed them alike)")
-    opt = engine.apply(model, optimizer, the_plan, state, rm, compile=compile, loss_fn=loss_fn, fallback=fallback)
+    from partir_torch.cost.hardware import parse_bytes
+
+    opt = engine.apply(model, optimizer, the_plan, state, rm, compile=compile, loss_fn=loss_fn, fallback=fallback,
+                       bucket_cap=int(parse_bytes(options.bucket_cap)))
     steps.install_forward(model)
     return model, opt

@@ -189,6 +189,7 @@ def training(model: nn.Module, mode: bool) -> Iterator[None]:
             m.training = t
 
 
-def build(state: ShardingState, exchange: Exchange, probe: list[torch.Tensor], *, outputs: bool) -> Built:
-    program = RankProgram(state, exchange, outputs=outputs)
+def build(state: ShardingState, exchange: Exchange, probe: list[torch.Tensor], *, outputs: bool,
+          bucket_cap: int | None) -> Built:
+    program = RankProgram(state, exchange, outputs=outputs, bucket_cap=bucket_cap)
     return Built(state, program, trace(program, probe))
