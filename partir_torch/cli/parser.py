@@ -6,7 +6,7 @@ import argparse
 
 from partir_torch.cli.planning import cmd_diff, cmd_plan, cmd_show
 from partir_torch.cli.program import cmd_capture, cmd_coverage, cmd_models, cmd_simulate
-from partir_torch.cli.running import cmd_bench, cmd_train, cmd_verify
+from partir_torch.cli.running import cmd_bench, cmd_calibrate, cmd_train, cmd_verify
 from partir_torch.options import add_flags
 
 # capture.optim.CLASSES' names, here so the parser needs no torch import (a cached repeat is sub-second)
@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--numerics", action="store_true", help="with --verify: also compare with unsharded")
     add_flags(tr)
     tr.set_defaults(fn=cmd_train)
+
+    cb = sub.add_parser("calibrate", help="measure the collectives (per mesh axis and kind) and compute of --nproc "
+                                          "ranks here, as the torch backend prices plans by default; cached")
+    cb.add_argument("--mesh", required=True, help="e.g. batch=2,model=2 (each axis's group is measured)")
+    cb.add_argument("--nproc", type=int, default=None, help="ranks to start (default: the mesh's devices)")
+    cb.add_argument("--fresh", action="store_true", help="measure again, replacing the cached figures")
+    cb.add_argument("--json", action="store_true")
+    cb.set_defaults(fn=cmd_calibrate)
 
     vf = sub.add_parser("verify", help="compile a saved plan's step with torch_xla and compare XLA's collectives "
                                        "and memory with the prediction")

@@ -70,6 +70,43 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Start `--nproc` ranks and measure them (`backends/distributed/calibrate.py`)."""
+    mesh, _ = parse_mesh(args.mesh)
+    nproc = args.nproc or mesh.devices
+    if nproc != mesh.devices:
+        raise PartirError(f"--nproc {nproc} ranks cannot hold the mesh {mesh} of {mesh.devices} devices")
+    from partir_torch import launch
+
+    launch.spawn(_calibrate, nproc, args)
+    return 0
+
+
+def _calibrate(rank: int, world: int, args: argparse.Namespace) -> None:
+    from dataclasses import asdict
+
+    from partir_torch.backends.distributed import calibrate
+    from partir_torch.backends.distributed.runtime import connect
+    from partir_torch.backends.distributed.shard import hardware_of
+    from partir_torch.cost.hardware import format_bytes
+
+    m, dcn = parse_mesh(args.mesh)
+    rm = connect(m, dcn)
+    if args.fresh and rank == 0:
+        calibrate.cached_path(rm).unlink(missing_ok=True)
+    hw = calibrate.measured(rm, base=hardware_of(rm.device)[0])
+    if rank != 0:
+        return
+    if args.json:
+        print(json.dumps(asdict(hw)))
+        return
+    print(f"{hw.name} ({world} ranks, mesh {m}): cached at {calibrate.cached_path(rm)}")
+    print(f"  matmul {hw.peak_flops_fp32 / 1e9:.1f} GFLOP/s, elementwise {format_bytes(hw.hbm_bandwidth)}/s, "
+          f"an op at least {hw.launch_floor * 1e6:.1f} us")
+    for axis, kind, alpha, beta in hw.links:
+        print(f"  {kind:<15} over {axis:<8} {alpha * 1e6:9.1f} us a call + {format_bytes(beta)}/s")
+
+
 def _train(rank: int, world: int, args: argparse.Namespace) -> None:
     """One rank's job (the only one on XLA): rank 0 prints."""
     import time

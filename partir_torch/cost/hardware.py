@@ -49,6 +49,10 @@ class Hardware:
     flash_attention: bool = True
     # the engine's reduction buckets (`Options.bucket_cap`, `lower/buckets.py`): one call each, priced so
     bucket_cap: float = 25 * 2**20
+    # measured on the ranks that train (`backends/distributed/calibrate.py`): per (mesh axis, collective kind)
+    # (axis, kind, latency s a call, bytes/s as `lower` counts a collective's bytes), used instead of the
+    # link figures' ring model for those axes
+    links: tuple[tuple[str, str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -56,6 +60,11 @@ class Hardware:
             if f.name == "flash_attention":
                 if not isinstance(v, bool):
                     raise HardwareError(f"hardware {self.name!r}: flash_attention must be True or False, got {v!r}")
+            elif f.name == "links":
+                bad = [x for x in v if len(x) != 4 or not (x[2] >= 0 and x[3] > 0)]
+                if bad:
+                    raise HardwareError(f"hardware {self.name!r}: links are (axis, kind, latency >= 0, bytes/s > 0), "
+                                        f"got {bad[:2]}")
             elif f.name != "name" and (not isinstance(v, (int, float)) or v <= 0):
                 raise HardwareError(f"hardware {self.name!r}: {f.name} must be a positive number, got {v!r}")
         if self.matmul_efficiency > 1:
@@ -65,6 +74,10 @@ class Hardware:
 
     def peak(self, itemsize: int) -> float:
         return self.peak_flops_fp32 if itemsize >= 4 else self.peak_flops_bf16
+
+    def link(self, axis: str, kind: str) -> tuple[float, float] | None:
+        """(latency s a call, bytes/s) measured for `kind` on `axis` (None: not measured; the ring model)."""
+        return next(((a, b) for ax, k, a, b in self.links if ax == axis and k == kind), None)
 
 
 def _gbps(x: float) -> float:
@@ -120,6 +133,11 @@ def check_mesh(hw: Hardware, axes: dict[str, int] | list[tuple[str, int]], dcn_a
 def hardware(name: str | Hardware, **overrides: float) -> Hardware:
     """A preset by name, with any figure overridden (`memory=16 * 2**30`, `link_bandwidth=...`)."""
     hw = name if isinstance(name, Hardware) else PRESETS.get(name)
+    if name == "measure":
+        raise HardwareError("hardware='measure' is measured on the ranks of a torch.distributed job, by "
+                            "auto_shard(..., backend='torch') (its default) or `partir-torch calibrate --nproc N "
+                            "--mesh M`: start the ranks (torchrun --nproc-per-node N script.py, or "
+                            "partir_torch.launch.spawn(fn, N)), or name a preset here (cpu-virtual, h100-sxm, ...)")
     if hw is None:
         raise HardwareError(f"unknown hardware preset {name!r}; presets: {', '.join(PRESETS)}")
     known = {f.name for f in fields(Hardware)} - {"name"}

@@ -297,8 +297,10 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
         for (kind, axis), n_calls in calls.items():
             n, fewer = state.mesh.size(axis), counted.get((kind, axis), 0) - n_calls
             if fewer and n > 1:
+                measured = hw.link(axis, kind)
                 alpha = hw.dcn_latency if axis in dcn_axes else hw.link_latency
-                by_axis[axis] -= fewer * alpha * (2 * (n - 1) if kind == "all-reduce" else n - 1)
+                by_axis[axis] -= fewer * (measured[0] if measured else
+                                          alpha * (2 * (n - 1) if kind == "all-reduce" else n - 1))
         for kind, axis in calls:
             n_calls_by.setdefault(kind, {})[axis] = calls[(kind, axis)]
         if buffers and n_ops:

@@ -389,6 +389,10 @@ class Memo:
             n = len(self.row_axis)
             ax = self.row_axis.a[:n]
             t = self.row_f.a[:n] * self.row_bytes.a[:n] / bw[ax] + self.row_g.a[:n] * alpha[ax]
+            for (axis, kind, _), r in self.rows.items() if hw.links else ():
+                got = hw.link(axis, kind)
+                if got is not None:  # measured: one call's latency and the bytes' time, as `lower` counts bytes
+                    t[r] = got[0] + self.row_bytes.a[r] / got[1] if self.size[axis] > 1 else 0.0
             self.times = (key, t)
         return self.times[1]
 

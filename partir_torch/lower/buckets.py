@@ -48,8 +48,8 @@ class Reduction:
     read: int
 
     @property
-    def key(self) -> tuple[str, str, torch.dtype, int]:
-        return self.step.kind, self.step.axis, self.dtype, self.dim
+    def key(self) -> tuple[str, str, torch.dtype]:
+        return self.step.kind, self.step.axis, self.dtype  # (a reduce-scatter bucket's members may split any dim)
 
 
 @dataclass(frozen=True)
@@ -164,24 +164,24 @@ def coalesced(colls: list, weights: list[int], program, cap: int = DEFAULT_CAP
                 continue
         calls[(c.kind, c.axis)] = calls.get((c.kind, c.axis), 0) + w
     cands.sort(key=lambda x: x[0])
-    runs: dict[tuple, list] = {}  # (kind, axis) -> [bytes, first read, last made]
+    runs: dict[tuple, list] = {}  # (kind, axis) -> [bytes, first read, last made, largest member]
     buffers: list[tuple[int, int]] = []
 
     def close(key: tuple, run: list) -> None:
         n = max(1, -(-run[0] // cap))
-        calls[key] = calls.get(key, 0) + n
-        buffers.append((run[2], min(run[0], cap)))
+        calls[key[:2]] = calls.get(key[:2], 0) + n
+        buffers.append((run[2], min(run[0], max(cap, run[3]))))  # (a bucket: up to cap, at least one member)
 
     for made, read, c, w in cands:
-        key = (c.kind, c.axis)
+        key = (c.kind, c.axis, program.values[c.value].dtype)
         run = runs.get(key)
         if run is not None and run[1] <= made:
             close(key, run)
             run = None
         if run is None:
-            run = runs[key] = [0, read, made]
+            run = runs[key] = [0, read, made, 0]
         run[0] += w * c.bytes
-        run[1], run[2] = min(run[1], read), max(run[2], made)
+        run[1], run[2], run[3] = min(run[1], read), max(run[2], made), max(run[3], c.bytes)
     for key, run in runs.items():
         close(key, run)
     return calls, buffers

@@ -26,8 +26,10 @@ from partir_torch.propagate import ShardingState
 class Buckets:
     """One run of the planned buckets (module docstring); `group_name(axis)` names the axis's process group."""
 
-    def __init__(self, plan: list[Bucket], group_name: Callable[[str], str], state: ShardingState) -> None:
+    def __init__(self, plan: list[Bucket], group_name: Callable[[str], str], state: ShardingState, *,
+                 inplace: bool = True) -> None:
         self.plan, self.group_name = plan, group_name
+        self.inplace = inplace  # all-reduce in place on the buffer (torch.compile's functionalization refuses it)
         self.mesh, self.values = state.mesh, state.program.values
         size = self.size = state.mesh.size
         self.of: dict[Hashable, tuple[int, Reduction, int]] = {}  # slot -> (bucket, member, offset per rank)
@@ -75,7 +77,7 @@ class Buckets:
         ops, name = _compat.c10d_functional, self.group_name(bucket.axis)
         if bucket.kind == "all-reduce":
             buf = torch.cat([x.reshape(-1) for x in held]) if len(held) > 1 else held[0].reshape(-1).clone()
-            self.issued[b] = ops.all_reduce_.default(buf, "sum", name)
+            self.issued[b] = (ops.all_reduce_ if self.inplace else ops.all_reduce).default(buf, "sum", name)
         else:  # rank-major: rank r's block of every member, in member order, then rank r + 1's
             n = self.size(bucket.axis)
             rows = [x.movedim(m.dim, 0).reshape(n, -1) for x, m in zip(held, bucket.members)]

@@ -94,6 +94,7 @@ class Sharded:
     fallback: bool = False
     variants: dict[Variant, Built] = field(default_factory=dict)  # the plan's other programs (`variants.py`)
     batch_checked: bool = False  # the ranks compared their first global batch
+    hardware: Any = None  # the `cost.Hardware` (or preset name) the plan was priced with
 
 
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, Sharded] = weakref.WeakKeyDictionary()
@@ -122,7 +123,7 @@ def _broadcast(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan, state: ShardingState,
           rank_mesh: RankMesh, *, compile: bool = False, loss_fn=None, fallback: bool = False,
-          bucket_cap: int | None = DEFAULT_CAP) -> torch.optim.Optimizer:
+          bucket_cap: int | None = DEFAULT_CAP, hardware=None) -> torch.optim.Optimizer:
     """Shard `model` and rebuild `optimizer` as `plan` (whose state is `state`) says, on this rank; on any
     failure the model is as it was and the caller's optimizer untouched. Returns the new optimizer."""
     from torch.distributed.tensor import DTensor
@@ -138,8 +139,10 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
                                "shards real tensors; build the model with weights (on the CPU), or use backend='xla'")
     names = {id(p): n for n, p in model.named_parameters()}
     bnames = {id(b): n for n, b in model.named_buffers()}
-    rec = Sharded(plan, state, rm, RankProgram(state, Exchange(mesh, rm.coord, rm.groups), bucket_cap=bucket_cap),
-                  None, [(m, a, t) for m, a, t, _ in every], names, loss_fn=loss_fn, fallback=fallback)
+    rec = Sharded(plan, state, rm, RankProgram(state, Exchange(mesh, rm.coord, rm.groups), bucket_cap=bucket_cap,
+                                               compiled=compile),
+                  None, [(m, a, t) for m, a, t, _ in every], names, loss_fn=loss_fn, fallback=fallback,
+                  hardware=hardware)
     try:
         made: dict[int, torch.Tensor] = {}
         for mod, attr, t, is_param in every:

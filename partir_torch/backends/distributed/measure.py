@@ -118,7 +118,7 @@ def compare(rec: Sharded, run: RankRun, hardware: str | None = None) -> dict[str
 
     pred = predicted(rec)
     cap = rec.program.bucket_cap
-    report = evaluate(rec.state, preset(hardware or rec.plan.hardware or "cpu-virtual",
+    report = evaluate(rec.state, preset(hardware or rec.hardware or rec.plan.hardware or "cpu-virtual",
                                         **({"bucket_cap": cap} if cap else {})))
     calls, ran = predicted_calls(rec), Counter((kind, axis) for kind, axis, _ in run.collectives)
     rows = []

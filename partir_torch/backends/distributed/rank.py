@@ -62,10 +62,11 @@ class RankProgram:
     forward) the program's other outputs last, replicated."""
 
     def __init__(self, state: ShardingState, exchange: Exchange, *, grads: bool = False, outputs: bool = False,
-                 on_step: Callable[[int, Step], None] | None = None, bucket_cap: int | None = DEFAULT_CAP) -> None:
+                 on_step: Callable[[int, Step], None] | None = None, bucket_cap: int | None = DEFAULT_CAP,
+                 compiled: bool = False) -> None:
         self.state, self.program, self.exchange = state, state.program, exchange
         self.relay = relayouts(self.program, state.rules)
-        self.grads, self.outputs = grads, outputs
+        self.grads, self.outputs, self.compiled = grads, outputs, compiled
         self.bucket_cap = bucket_cap  # None: every reduction alone, waited at once (`buckets.py`)
         self.on_step = on_step  # (value, step): each step the rank runs, as it runs it
         self._walks: dict[tuple, list[Step]] = {}
@@ -145,7 +146,7 @@ class RankProgram:
     def __call__(self, *local: torch.Tensor) -> list[torch.Tensor]:
         state, prog = self.state, self.program
         ex = self.exchange
-        self.buckets = Buckets(self.buckets_plan, lambda a: ex.groups[a].group_name, state)
+        self.buckets = Buckets(self.buckets_plan, lambda a: ex.groups[a].group_name, state, inplace=not self.compiled)
         env: dict[int, torch.Tensor] = _Lazy(self.buckets, zip(self.inputs, local), self.result_slot)
         for attr, vid in prog.constants.items():
             const = getattr(prog.graph_module, attr)

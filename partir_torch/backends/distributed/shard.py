@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import hashlib
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -101,11 +100,10 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
 
     m, dcn = parse_mesh(mesh)
     rm = connect(m, dcn)
-    if options.hardware is None:
-        hardware, note = hardware_of(rm.device)
-        options = Options.of(options, hardware=hardware)
-        if note and rm.rank == 0:
-            print(note, file=sys.stderr)
+    if options.hardware in (None, "measure"):  # the ranks' own collectives and compute (`calibrate.py`)
+        from partir_torch.backends.distributed.calibrate import measured
+
+        options = Options.of(options, hardware=measured(rm, base=hardware_of(rm.device)[0]))
     fallback = options.fallback
 
     def make() -> ShardingPlan:
@@ -132,6 +130,6 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     from partir_torch.cost.hardware import parse_bytes
 
     opt = engine.apply(model, optimizer, the_plan, state, rm, compile=compile, loss_fn=loss_fn, fallback=fallback,
-                       bucket_cap=int(parse_bytes(options.bucket_cap)))
+                       bucket_cap=int(parse_bytes(options.bucket_cap)), hardware=options.hardware)
     steps.install_forward(model)
     return model, opt

@@ -59,7 +59,7 @@ def program_for(rec: Sharded, model: nn.Module, optimizer: torch.optim.Optimizer
     state = replayed(rec.state, program)
     probe = rank_inputs(rec, model, optimizer, None, probe=True, state=state)
     built = build(state, Exchange(rec.rank_mesh.mesh, rec.rank_mesh.coord, rec.rank_mesh.groups), probe,
-                  outputs=variant.kind == "forward", bucket_cap=rec.program.bucket_cap)
+                  outputs=variant.kind == "forward", bucket_cap=rec.program.bucket_cap, compiled=rec.compiled)
     if rec.compiled:
         built.graph = compiled(built.graph)
     rec.variants[variant] = built

@@ -190,6 +190,6 @@ def training(model: nn.Module, mode: bool) -> Iterator[None]:
 
 
 def build(state: ShardingState, exchange: Exchange, probe: list[torch.Tensor], *, outputs: bool,
-          bucket_cap: int | None) -> Built:
-    program = RankProgram(state, exchange, outputs=outputs, bucket_cap=bucket_cap)
+          bucket_cap: int | None, compiled: bool = False) -> Built:
+    program = RankProgram(state, exchange, outputs=outputs, bucket_cap=bucket_cap, compiled=compiled)
     return Built(state, program, trace(program, probe))
