@@ -1,32 +1,64 @@
-"""The torch backend's step beside PyTorch's own data-parallel engines, on the same model, ranks and batch.
+"""The torch backend's step beside PyTorch's own engines, on the same ranks, model, global batch and AdamW.
 
-    .venv/bin/python benchmarks/engine_torch.py [--ranks 4] [--mesh batch=2,model=2] [--models tiny-gpt2 ...]
-        [--steps 6] [--out benchmarks/results/engine_torch.json]
+    .venv/bin/python benchmarks/engine_torch.py [--ranks 4] [--models tiny-gpt2 ...] [--steps 8]
+        [--out benchmarks/results/engine_torch.json]        # then: --table (docs/performance.md from the JSON)
 
-Per model, on `--ranks` gloo CPU ranks (or NCCL GPUs where there are enough): the searched plan's rank
-program eagerly and through `torch.compile`, then DDP and FSDP2 (`fully_shard`) on the whole batch split
-over every rank, each trained `--steps` AdamW steps; the median step time after the first (compilation)
-steps, and the first step's time. The searched plan is also checked: its collectives as predicted (bytes by
-kind and axis), its loss beside DDP's. Prints a table and writes the JSON.
+Per model, on `--ranks` gloo CPU ranks (or NCCL GPUs where there are enough), each trained `--steps` steps,
+the median step after the first two:
+- what a user would otherwise run: DDP; FSDP2 (`fully_shard` per block, then the root); for the models whose
+  attention reads its head counts from module attributes (the zoo's Llama), torch tensor parallelism
+  (`parallelize_module`, ColwiseParallel q/k/v and gate/up, RowwiseParallel o/down, torchtitan style) with
+  DDP over the other axis, and FSDP2 x TP, on {2, 2};
+- partir_torch running the same plans (`batch:BatchParallel` on {4}, `batch:FSDP` on {4},
+  `batch:BatchParallel;model:Megatron` on {2, 2}), and the plans it searches on {4} and {2, 2} (priced with the
+  ranks' own calibration, the default), also under a memory limit of 0.6 x DDP's peak per rank;
+- per row: the median step, its ratio to the best baseline that fits, the predicted step (partir_torch's),
+  each rank's peak memory (the largest).
+Writes the JSON and, with --table, the table and plot of docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 CONFIGS = {"tiny-gpt2": {"batch": "8"}, "gpt2-small": {"layers": "2", "width": "256", "heads": "8", "vocab": "4096",
                                                        "seq": "64", "batch": "8"},
-           "tiny-llama": {"batch": "8"}, "tiny-mlp": {}}
+           "tiny-llama": {"batch": "8"}, "llama-small": {"layers": "2", "width": "256", "heads": "8",
+                                                         "kv_heads": "4", "ffn": "512", "vocab": "4096", "seq": "64",
+                                                         "batch": "8"},
+           "tiny-mlp": {"batch": "16"}}
+OURS = {"ours DP": ("batch=4", "batch:BatchParallel"), "ours FSDP": ("batch=4", "batch:FSDP"),
+        "ours Megatron x DP": ("batch=2,model=2", "batch:BatchParallel;model:Megatron"),
+        "ours searched {4}": ("batch=4", None), "ours searched {2,2}": ("batch=2,model=2", None)}
+SAME = {"ours DP": "DDP", "ours FSDP": "FSDP2", "ours Megatron x DP": "TP x DP"}  # the bar: <= 1.05 x these
 
 
-def _timed(fn, steps: int) -> tuple[list[float], float]:
+def _build(name: str, device):
+    torch.manual_seed(0)
+    if name in CONFIGS:
+        from partir_torch import models
+
+        zoo = "llama-7b" if name == "llama-small" else name
+        return models.build(zoo, CONFIGS[name], device=device)
+    from benchmarks.workloads.thirdparty import BUILDERS
+
+    model, inputs, loss_fn = BUILDERS[name]()
+    return model.to(device), tuple(x.to(device) for x in inputs), loss_fn
+
+
+def _timed(fn, steps: int) -> tuple[float, float, float]:
+    """(median step s after two, first step s, last loss)."""
     import torch.distributed as dist
 
     times, loss = [], 0.0
@@ -35,95 +67,174 @@ def _timed(fn, steps: int) -> tuple[list[float], float]:
         t = time.perf_counter()
         loss = float(fn())
         times.append(time.perf_counter() - t)
-    return times, loss
+    return statistics.median(times[2:]), times[0], loss
 
 
-def _record(out: dict, what: str, times: list[float], loss: float) -> None:
-    out[f"{what}_first_s"], out[f"{what}_step_s"], out[f"{what}_loss"] = times[0], statistics.median(times[2:]), loss
+def _peak(fn, model, opt, dev) -> int:
+    """One step's peak of this rank's tensors (parameters, states, gradients, activations)."""
+    from partir_torch import _compat
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        fn()
+        return torch.cuda.max_memory_allocated(dev)
+    tracker = _compat.MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        fn()
+    return int(sum(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values()))
 
 
-def one(rank: int, world: int, name: str, mesh: str, steps: int) -> dict:
+def _blocks(model) -> list:
+    return [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+
+
+def _tp(model, mesh) -> bool:
+    """torchtitan-style TP of the zoo Llama's blocks over `mesh` (False: not a model this knows)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    blocks = _blocks(model)
+    if not blocks or not hasattr(blocks[0], "self_attn") or not hasattr(blocks[0].self_attn, "kv_heads"):
+        return False
+    n = mesh.size()
+    for b in blocks:
+        parallelize_module(b, mesh, {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                                     "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                                     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                                     "mlp.down_proj": RowwiseParallel()})
+        b.self_attn.heads //= n  # (the local heads: torchtitan sets n_heads // tp likewise)
+        b.self_attn.kv_heads //= n
+    return True
+
+
+def baselines(rank: int, world: int, name: str, steps: int) -> dict:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    import partir_torch
-    from partir_torch import models
-    from partir_torch.backends.distributed import engine, measure
-
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-    def build():
-        torch.manual_seed(0)
-        return models.build(name, CONFIGS.get(name), device=dev)
-
-    out: dict = {"model": name, "mesh": mesh, "ranks": world}
-    for mode in ("eager", "compiled"):
-        model, inputs, loss_fn = build()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        t = time.perf_counter()
-        model, opt = partir_torch.auto_shard(model, inputs, mesh, loss_fn=loss_fn, optimizer=opt, backend="torch",
-                                             compile=mode == "compiled", budget=60)
-        out[f"{mode}_apply_s"] = time.perf_counter() - t
-        if mode == "eager":
-            rec = engine.sharded(model)
-            cmp = measure.compare(rec, measure.run_once(rec, model, opt, inputs))
-            out["plan"] = model.partir_plan.decisions
-            out["predicted_step_ms"] = model.partir_plan.cost["step_time_s"] * 1e3
-            out["bytes_as_predicted"] = all(r["predicted"] == r["measured"] for r in cmp["by_axis"])
-            out["memory_measured_over_predicted"] = cmp["measured_peak"] / cmp["predicted_peak"]
-        times, loss = _timed(lambda: partir_torch.step(model, opt, *inputs), steps)  # noqa: B023
-        _record(out, mode, times, loss)
-    for kind in ("ddp", "fsdp2"):
-        model, inputs, loss_fn = build()
-        if kind == "ddp":
-            model = DistributedDataParallel(model)
+    out: dict = {}
+    for kind in ("DDP", "FSDP2", "TP x DP", "FSDP2 x TP"):
+        model, inputs, loss_fn = _build(name, dev)
+        if kind in ("DDP", "FSDP2"):
+            dp, n = None, world
         else:
-            for m in model.modules():
-                if isinstance(m, torch.nn.ModuleList):
-                    for block in m:
-                        fully_shard(block)
-            fully_shard(model)
+            mesh = init_device_mesh(dev.type, (2, world // 2), mesh_dim_names=("dp", "tp"))
+            if not _tp(model, mesh["tp"]):
+                continue
+            dp, n = mesh["dp"], 2
+        if kind in ("DDP", "TP x DP"):
+            model = DistributedDataParallel(model, device_mesh=dp) if dp is not None else DistributedDataParallel(
+                model)
+        else:
+            for b in _blocks(model):
+                fully_shard(b, mesh=dp) if dp is not None else fully_shard(b)
+            fully_shard(model, mesh=dp) if dp is not None else fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        n = inputs[0].shape[0] // world
-        mine = [x[rank * n:(rank + 1) * n] for x in inputs]
+        i = rank if dp is None else dp.get_local_rank()
+        b = inputs[0].shape[0] // n
+        mine = [x[i * b:(i + 1) * b] for x in inputs]
 
         def step(model=model, opt=opt, mine=mine, loss_fn=loss_fn):
             loss = loss_fn(model, *mine)
             loss.backward()
             opt.step()
             opt.zero_grad()
-            t = loss.detach().clone()
-            dist.all_reduce(t)
-            return t / world
+            return loss.detach()
 
-        times, loss = _timed(step, steps)
-        _record(out, kind, times, loss)
+        med, first, loss = _timed(step, steps)
+        peak = torch.tensor(_peak(step, model, opt, dev))
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out[kind] = {"step_s": med, "first_s": first, "loss": loss, "peak": int(peak)}
+    return out
+
+
+def ours(rank: int, world: int, name: str, steps: int, limit: float | None) -> dict:
+    import torch.distributed as dist
+
+    import partir_torch
+    from partir_torch.backends.distributed import engine, measure
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    rows = dict(OURS)
+    if limit:
+        rows["ours searched {2,2}, 0.6 x DDP's memory"] = ("batch=2,model=2", None)
+    out: dict = {}
+    for label, (mesh, schedule) in rows.items():
+        model, inputs, loss_fn = _build(name, dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        t = time.perf_counter()
+        try:
+            model, opt = partir_torch.auto_shard(model, inputs, mesh, loss_fn=loss_fn, optimizer=opt, schedule=schedule,
+                                                 budget=60, progress=False, cache=False,
+                                                 memory=limit if "memory" in label else None)
+        except partir_torch.PartirError as e:
+            out[label] = {"error": str(e)[:300]}
+            continue
+        apply_s = time.perf_counter() - t
+        rec = engine.sharded(model)
+        cmp = measure.compare(rec, measure.run_once(rec, model, opt, inputs))
+        med, first, loss = _timed(lambda model=model, opt=opt, inputs=inputs: partir_torch.step(model, opt, *inputs),
+                                  steps)
+        peak = torch.tensor(cmp["measured_peak"])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out[label] = {"step_s": med, "first_s": first, "loss": loss, "peak": int(peak), "apply_s": apply_s,
+                      "predicted_step_s": model.partir_plan.cost["step_time_s"],
+                      "predicted_peak": cmp["predicted_peak"], "plan": model.partir_plan.decisions,
+                      "bytes_exact": all(r["predicted"] == r["measured"] for r in cmp["by_axis"]),
+                      "calls": {f"{r['kind']}/{r['axes'][0]}": r["measured_calls"] for r in cmp["by_axis"]}}
+        partir_torch.unshard(model)
+    return out
+
+
+def one(rank: int, world: int, name: str, steps: int) -> dict:
+    base = baselines(rank, world, name, steps)
+    row = {"model": name, "ranks": world, "baselines": base}
+    row["ours"] = ours(rank, world, name, steps, 0.6 * base["DDP"]["peak"])
+    return row
+
+
+def summary(row: dict) -> list[dict]:
+    """Per system: median ms, ratio to the best baseline that fits (the DDP-exceeding limit for the limited row)."""
+    base = row["baselines"]
+    best = min(v["step_s"] for v in base.values())
+    out = [{"system": k, "step_ms": v["step_s"] * 1e3, "ratio": v["step_s"] / best, "peak_mib": v["peak"] / 2**20}
+           for k, v in base.items()]
+    for k, v in row["ours"].items():
+        if "error" in v:
+            out.append({"system": k, "error": v["error"]})
+            continue
+        same = SAME.get(k)
+        out.append({"system": k, "step_ms": v["step_s"] * 1e3, "ratio": v["step_s"] / best,
+                    "vs_same": v["step_s"] / base[same]["step_s"] if same in base else None,
+                    "predicted_ms": v["predicted_step_s"] * 1e3, "peak_mib": v["peak"] / 2**20,
+                    "bytes_exact": v["bytes_exact"]})
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--mesh", default="batch=2,model=2")
-    ap.add_argument("--models", nargs="+", default=["tiny-gpt2", "gpt2-small"])
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_torch.json"))
+    ap.add_argument("--models", nargs="+", default=["tiny-gpt2", "gpt2-small", "tiny-llama", "llama-small"])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_torch.json"))
     args = ap.parse_args()
+    from benchmarks.workloads.provenance import stamp
     from partir_torch.launch import Workers
 
     rows = []
     with Workers(args.ranks, timeout=3600) as w:
         for name in args.models:
-            rows.append(w.run(one, name, args.mesh, args.steps)[0])
-    print(f"{'model':<12} {'plan eager':>11} {'compiled':>10} {'DDP':>9} {'FSDP2':>9}  first compiled  bytes  memory")
-    for r in rows:
-        print(f"{r['model']:<12} {r['eager_step_s'] * 1e3:>9.1f}ms {r['compiled_step_s'] * 1e3:>8.1f}ms "
-              f"{r['ddp_step_s'] * 1e3:>7.1f}ms {r['fsdp2_step_s'] * 1e3:>7.1f}ms  {r['compiled_first_s']:>12.1f}s  "
-              f"{'exact' if r['bytes_as_predicted'] else 'DIFFER'}  {r['memory_measured_over_predicted']:.2f}")
-    Path(args.out).write_text(json.dumps({"machine": platform.platform(), "cpus": __import__("os").cpu_count(),
-                                          "torch": torch.__version__, "rows": rows}, indent=1))
-    print(f"wrote {args.out}")
+            rows.append(w.run(one, name, args.steps)[0])
+            for s in summary(rows[-1]):
+                print(f"{name:<12} {s['system']:<40} " + (s["error"][:80] if "error" in s else
+                      f"{s['step_ms']:8.1f} ms  x{s['ratio']:.2f}" + (f"  same-plan x{s['vs_same']:.2f}"
+                      if s.get("vs_same") else "") + (f"  predicted {s['predicted_ms']:.1f} ms"
+                                                     if "predicted_ms" in s else "")), flush=True)
+    Path(args.out).write_text(json.dumps({**stamp(), "machine": platform.platform(), "cpus": __import__("os")
+                                          .cpu_count(), "ranks": args.ranks, "rows": rows}, indent=1))
+    print(f"wrote {args.out}; {math.nan if not rows else len(rows)} models")
 
 
 if __name__ == "__main__":
