@@ -264,6 +264,15 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", opti
     if plan.blocked:  # said, not hidden: the table has them too
         warnings.warn(f"{len(plan.blocked)} dim(s) keep mesh axes from splitting the step: "
                       + "; ".join(b["text"] for b in plan.blocked[:3]), stacklevel=2)
+    from partir_torch.plan.table import roles
+
+    idle = [a for a, what in roles(plan).items() if not what and plan.mesh[a] > 1 and
+            not any(b["axis"] == a for b in plan.blocked)]
+    if idle:  # a replicated step is a choice of the cost model, said as such
+        warnings.warn(f"the plan splits nothing over {', '.join(f'{a!r} ({plan.mesh[a]} devices)' for a in idle)}: "
+                      "those devices repeat the same step, which the cost model prices below splitting it (each "
+                      "collective's fixed cost exceeds the compute it would save: a small step); a larger batch "
+                      "or model, or schedule='batch:BatchParallel', splits it", stacklevel=2)
     if require_fit and not plan.cost["feasible"]:
         raise InfeasibleError(infeasible_message(plan, mesh))
     return plan

@@ -162,6 +162,7 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 def _compute(device: torch.device, repeat: int) -> tuple[float, float, float]:
     """(matmul FLOP/s, elementwise bytes/s, one small op's seconds) on this rank's device."""
+    chain = _traced_chain()
     a = torch.randn(256, 256, device=device)
     b = torch.randn(256, 256, device=device)
     x = torch.randn(1 << 20, device=device)
@@ -182,5 +183,17 @@ def _compute(device: torch.device, repeat: int) -> tuple[float, float, float]:
 
     mm = med(lambda: [a @ b for _ in range(4)]) / 4
     add = med(lambda: [x + x for _ in range(4)]) / 4
-    floor = med(lambda: [tiny + tiny for _ in range(32)]) / 32
+    floor = med(lambda: chain(tiny)) / 64  # an op of a traced graph, as the rank program runs its ops
     return 2 * 256**3 / mm, 3 * x.numel() * 4 / add, floor
+
+
+def _chain(t: torch.Tensor) -> torch.Tensor:
+    for _ in range(32):
+        t = (t * 1.0001).view(-1)
+    return t
+
+
+def _traced_chain():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(_chain)(torch.zeros(16))

@@ -23,6 +23,7 @@ dropout mask is the unsharded one (`rules/random.py`); only a draw whose operand
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ from partir_torch import _compat
 from partir_torch.backends.distributed.buckets import Buckets
 from partir_torch.backends.distributed.reshard import Exchange, run_walk
 from partir_torch.errors import PartirError
+from partir_torch.ir.program import Phase, Ref
 from partir_torch.ir.sharding import Sharding
 from partir_torch.lower import dedup_key, pull_back, relayouts, required_operand
 from partir_torch.lower.buckets import DEFAULT_CAP, plan, reductions
@@ -38,6 +40,7 @@ from partir_torch.lower.local import SHAPE_ARG, local_args, run_local, subst
 from partir_torch.propagate import ShardingState
 from partir_torch.rules.base import op_tags, tensor_args, where
 from partir_torch.rules.random import SEEDED_TAG
+from partir_torch.rules.tables import VIEWS
 
 # random ops whose tensor operand gives only a shape and dtype: drawn on an empty tensor of the global shape
 SHAPE_ONLY = frozenset({"aten.rand_like.default", "aten.randn_like.default", "aten.randint_like.default",
@@ -70,6 +73,7 @@ class RankProgram:
         self.bucket_cap = bucket_cap  # None: every reduction alone, waited at once (`buckets.py`)
         self.on_step = on_step  # (value, step): each step the rank runs, as it runs it
         self._walks: dict[tuple, list[Step]] = {}
+        self.inplace = self._inplace()  # op -> its in-place overload (the optimizer's updates: `_inplace`)
         self.buckets_plan = plan(reductions(state), bucket_cap) if bucket_cap is not None else []
         # where each member is put: a result's reshard (value -> its slot), a value read reduced (value -> slots)
         self.result_slot: dict[int, tuple] = {}
@@ -80,6 +84,37 @@ class RankProgram:
                     self.put_after.setdefault(m.value, []).append(m.slot)
                 else:
                     self.result_slot[m.value] = m.slot
+
+    def _inplace(self) -> dict[int, Any]:
+        """The optimizer's pointwise ops that may write their first operand in place, as torch.optim's own
+        updates do (`exp_avg.lerp_(grad, ...)`): its last read, not returned, no view of it alive, the result
+        of its shape and dtype, and (a program input) a parameter or state its update overwrites anyway.
+        Written functionally, each such op allocates a new tensor of the parameter's size every step (on the
+        CPU, most of the update's time)."""
+        prog = self.program
+        updated, outputs = set(prog.updates.values()), set(prog.outputs)
+        out = {}
+        for op in prog.ops:
+            if op.phase is not Phase.OPTIMIZER or "pointwise" not in op_tags(op.target):
+                continue
+            results, operands = [o for o in op.outputs if o >= 0], self.state.rules[op.id].operands
+            if len(results) != 1 or not operands:
+                continue
+            u, r = operands[0].value, prog.values[results[0]]
+            val = prog.values[u]
+            if (not op.args or not isinstance(op.args[0], Ref) or op.args[0].id != u  # (written: `self`)
+                    or max(prog.users[u]) != op.id or u in outputs or sum(t.value == u for t in operands) != 1
+                    or val.shape != r.shape or val.dtype != r.dtype
+                    or (val.producer < 0 and u not in updated)
+                    or (val.producer >= 0 and prog.ops[val.producer].target in VIEWS)
+                    or any(prog.ops[o].target in VIEWS for o in prog.users[u])):
+                continue
+            ns, _, rest = op.target.partition(".")
+            name, _, overload = rest.rpartition(".")
+            packet = getattr(getattr(torch.ops, ns), name + "_", None)
+            if packet is not None and overload in packet.overloads():
+                out[op.id] = getattr(packet, overload)
+        return out
 
     @property
     def inputs(self) -> list[int]:
@@ -181,7 +216,11 @@ class RankProgram:
         contiguous = op.target in _CONTIGUOUS
         it = iter(x.contiguous() if contiguous else x for x in operands)
         args, kwargs = local_args(op, subst(op.args, it), {k: subst(a, it) for k, a in op.kwargs}, state)
-        out = run_local(op, args, kwargs, state, self.exchange.coord)
+        inplace = self.inplace.get(op.id)
+        if inplace is not None and operands[0] is dict.get(env, rule.operands[0].value):  # (not a resharded copy)
+            out = inplace(*args, **kwargs)
+        else:
+            out = run_local(op, args, kwargs, state, self.exchange.coord)
         outs = [t for o_id, t in zip(op.outputs, out if isinstance(out, (tuple, list)) else [out]) if o_id >= 0]
         for r, (v, t) in enumerate(zip(results, outs)):
             k = state.mean_scale(op.id, r)
@@ -195,7 +234,8 @@ class RankProgram:
                 cache[slot] = PENDING
             if v in donate:  # the update written over its input's buffer (donation): freed at once
                 old = prog.updates[v]
-                env[old].copy_(env[v])
+                if env[v] is not env[old]:  # (made in place there already: `_inplace`)
+                    env[old].copy_(env[v])
                 env[v] = env[old]
 
     def _result(self, env: dict[int, torch.Tensor], cache: dict, v: int, src: Sharding, dst: Sharding,
