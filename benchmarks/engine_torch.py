@@ -213,13 +213,60 @@ def summary(row: dict) -> list[dict]:
     return out
 
 
+def write_doc(data: dict, doc: Path, picture: Path) -> None:
+    """The table of every row and a bar chart of the ratios (docs/performance.md, docs/img/performance.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [f"Measured at commit `{data['commit']}` on torch {data['torch']}, {data['ranks']} gloo CPU ranks on "
+             f"{data['cpus']} cores (`benchmarks/engine_torch.py`; `benchmarks/results/engine_torch.json`). Median "
+             "step after two, AdamW, the same global batch; `x best` is the step over the best baseline's (DDP, "
+             "FSDP2, TP x DP, FSDP2 x TP: what runs at all), `x same` over the baseline running the same plan.", "",
+             "| model | system | step | x best | x same | predicted | peak / rank | bytes |",
+             "|---|---|---|---|---|---|---|---|"]
+    fig, axes = plt.subplots(1, len(data["rows"]), figsize=(4.2 * len(data["rows"]), 4.2), squeeze=False)
+    for ax, row in zip(axes[0], data["rows"]):
+        names, ratios = [], []
+        for s in summary(row):
+            if "error" in s:
+                lines.append(f"| {row['model']} | {s['system']} | {s['error'][:90]} | | | | | |")
+                continue
+            pred = f"{s['predicted_ms']:.1f} ms" if "predicted_ms" in s else ""
+            same = f"{s['vs_same']:.2f}" if s.get("vs_same") else ""
+            exact = ("exact" if s["bytes_exact"] else "DIFFER") if "bytes_exact" in s else ""
+            lines.append(f"| {row['model']} | {s['system']} | {s['step_ms']:.1f} ms | {s['ratio']:.2f} | {same} | "
+                         f"{pred} | {s['peak_mib']:.2f} MiB | {exact} |")
+            names.append(s["system"].replace("ours ", "").replace(", 0.6 x DDP's memory", " 0.6 mem"))
+            ratios.append(s["ratio"])
+        ax.barh(names, ratios, color=["0.6" if not n.startswith(("DP", "FSDP", "Meg", "sear")) or "2" in n[:5]
+                                      else "tab:blue" for n in names])
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_title(row["model"])
+        ax.set_xlabel("step / best baseline's")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    picture.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(picture, dpi=90)
+    text = doc.read_text()
+    begin, end = "<!-- BEGIN engine_torch -->\n", "<!-- END engine_torch -->"
+    i, j = text.index(begin) + len(begin), text.index(end)
+    doc.write_text(text[:i] + "\n".join(lines) + "\n" + text[j:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--models", nargs="+", default=["tiny-gpt2", "gpt2-small", "tiny-llama", "llama-small"])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_torch.json"))
+    ap.add_argument("--table", action="store_true", help="write docs/performance.md from --out and stop")
     args = ap.parse_args()
+    if args.table:
+        write_doc(json.loads(Path(args.out).read_text()), ROOT / "docs" / "performance.md",
+                  ROOT / "docs" / "img" / "performance.png")
+        return
     from benchmarks.workloads.provenance import stamp
     from partir_torch.launch import Workers
 
