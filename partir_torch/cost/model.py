@@ -290,7 +290,8 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
         # the torch backend's buckets (`lower/buckets.py`): one call a bucket, not one a reduction (each call
         # pays the axis's latency: it is the bytes' time that adds up), and a bucket's buffer where it is issued
         sizes = [len(memo.slot_colls[s]) for s in win.tolist()]
-        calls, buffers = coalesced(colls, np.repeat(st.slot_w[win], sizes).tolist(), state.program, hw.bucket_cap)
+        calls, buffers = coalesced(colls, np.repeat(st.slot_w[win], sizes).tolist(), state.program, hw.bucket_cap,
+                                   st.block_end)
         counted: dict[tuple[str, str], int] = {}
         for c, w in zip(colls, np.repeat(st.slot_w[win], sizes).tolist()):
             counted[(c.kind, c.axis)] = counted.get((c.kind, c.axis), 0) + w

@@ -136,6 +136,13 @@ class Static:
                 sp = span.setdefault((op.phase, op_w[op.id]), [op.id, op.id])
                 sp[1] = op.id
         self.fwd_span = {w: sp[0] for (phase, w), sp in span.items() if phase is Phase.FORWARD}  # folded blocks
+        # per op in a folded block, the last op of its block in its phase (-1 elsewhere): a collective read
+        # before it repeats once per element, one read after it is made N - 1 times before the first read
+        self.block_end = [-1] * n_ops
+        for (phase, w), (a, b) in span.items():
+            for o in range(a, b + 1):
+                if op_w[o] == w and ops[o].phase is phase:
+                    self.block_end[o] = b
         # per op: its last position, or for a view op, the last use of the views made from its result (a
         # gathered weight's transposed view, read again by the backward, keeps the gathered copy alive)
         vend = [-1] * n_vals

@@ -140,14 +140,17 @@ def plan(found: list[Reduction], cap: int = DEFAULT_CAP) -> list[Bucket]:
     return out
 
 
-def coalesced(colls: list, weights: list[int], program, cap: int = DEFAULT_CAP
+def coalesced(colls: list, weights: list[int], program, cap: int = DEFAULT_CAP, block_end: list[int] | None = None
               ) -> tuple[dict[tuple[str, str], int], list[tuple[int, int]]]:
     """What `plan` makes of a cost report's collectives, fast enough for the search (no walk is redone): the
     number of calls per (kind, axis), and where a bucket's buffer is made [(op, bytes)]. A collective that is
     a value's only one, an all-reduce or reduce-scatter, joins the run of its kind and axis (in the order the
-    values are made) that no member's read interrupts; a run of W weighted collectives (a folded block's
-    count w times) and B bytes is max(1, ceil(B / cap)) calls. Approximate where `plan` also checks what
-    `cost` does not see (a reduce-scatter's blocks along one dim, a walk's local steps)."""
+    values are made) that no member's read interrupts; a run of B bytes is max(1, ceil(B / cap)) calls.
+    In a folded program (`capture/fold.py`) a collective of weight W stands for W copies, one per element:
+    read after its block (`block_end`: a gradient read by the optimizer) the copies join one run of W times
+    its bytes; read within it, each element's copy closes its own run, so the run is W runs. Approximate
+    where `plan` also checks what `cost` does not see (a reduce-scatter's blocks along one dim, a walk's
+    local steps)."""
     users = program.users
     per: dict[tuple, int] = {}
     for c in colls:
@@ -164,13 +167,13 @@ def coalesced(colls: list, weights: list[int], program, cap: int = DEFAULT_CAP
                 continue
         calls[(c.kind, c.axis)] = calls.get((c.kind, c.axis), 0) + w
     cands.sort(key=lambda x: x[0])
-    runs: dict[tuple, list] = {}  # (kind, axis) -> [bytes, first read, last made, largest member]
+    runs: dict[tuple, list] = {}  # (kind, axis, dtype) -> [bytes, first read, last made, largest, copies, bytes once]
     buffers: list[tuple[int, int]] = []
 
     def close(key: tuple, run: list) -> None:
-        n = max(1, -(-run[0] // cap))
+        n = run[4] * max(1, -(-run[5] // cap)) if run[4] > 1 else max(1, -(-run[0] // cap))
         calls[key[:2]] = calls.get(key[:2], 0) + n
-        buffers.append((run[2], min(run[0], max(cap, run[3]))))  # (a bucket: up to cap, at least one member)
+        buffers.append((run[2], min(run[5] if run[4] > 1 else run[0], max(cap, run[3]))))  # up to cap, >= a member
 
     for made, read, c, w in cands:
         key = (c.kind, c.axis, program.values[c.value].dtype)
@@ -179,8 +182,11 @@ def coalesced(colls: list, weights: list[int], program, cap: int = DEFAULT_CAP
             close(key, run)
             run = None
         if run is None:
-            run = runs[key] = [0, read, made, 0]
+            run = runs[key] = [0, read, made, 0, 1, 0]
         run[0] += w * c.bytes
+        run[5] += c.bytes
+        if w > 1 and block_end is not None and 0 <= read <= block_end[made]:
+            run[4] = max(run[4], w)
         run[1], run[2], run[3] = min(run[1], read), max(run[2], made), max(run[3], c.bytes)
     for key, run in runs.items():
         close(key, run)
