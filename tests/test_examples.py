@@ -72,6 +72,7 @@ def test_lightning_example_trains_with_the_strategy(one_device_loss):
     assert _final_loss(out) == pytest.approx(one_device_loss, rel=1e-5)
 
 
+@pytest.mark.engine
 def test_torchrun_example_plans_trains_and_restores_a_dcp_checkpoint(tmp_path):
     """`torchrun --nproc-per-node 4` on CPU (gloo): rank 0 plans, every rank trains, a DCP checkpoint saved and
     loaded into a model sharded again gives the same next loss; its temporary directory is gone at the end."""
@@ -89,6 +90,7 @@ def test_torchrun_example_plans_trains_and_restores_a_dcp_checkpoint(tmp_path):
     assert not list((tmp_path / "tmp").glob("partir-*")), "the example left its checkpoint behind"
 
 
+@pytest.mark.engine
 def test_lightning_example_on_the_torch_backend_launches_ranks_and_checkpoints_whole_tensors(tmp_path,
                                                                                            one_device_loss):
     """`AutoShardStrategy(..., backend="torch")`: Lightning starts 4 CPU processes, rank 0 plans, each step is the

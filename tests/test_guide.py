@@ -11,12 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from partir_torch.cli import main
 from tests.docblocks import commands
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide.md"
 
 
+@pytest.mark.engine
 def test_every_block_of_the_guide_runs_in_order(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)
     ordered = re.findall(r"^```(bash|python)( [\w.]+)?\n(.*?)^```", GUIDE.read_text(), flags=re.S | re.M)

@@ -35,6 +35,7 @@ def test_the_docs_have_the_blocks_this_test_runs():
     assert len(README.read_bytes()) <= 8192, "the README is the front page: the reference goes to docs/"
 
 
+@pytest.mark.engine
 def test_the_quickstart_script_trains_on_four_ranks(tmp_path):
     script = blocks("python")[0]
     assert "launch.spawn(train, 4)" in script
@@ -57,6 +58,7 @@ BASH = [(README, i) for i in range(1, len(blocks("bash")))] + [(REFERENCE, i) fo
                                                                                                        REFERENCE)))]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize(("doc", "index"), BASH, ids=[f"{d.name}-{i}" for d, i in BASH])
 def test_the_bash_blocks_run(doc, index, tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(tmp_path)  # (the plans they write)

@@ -14,7 +14,8 @@ import torch
 
 from partir_torch.launch import Workers
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")]
 
 
 @pytest.fixture(scope="module")

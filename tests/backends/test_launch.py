@@ -8,6 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+pytestmark = pytest.mark.engine
+
 SCRIPT = """
 import os, sys, time
 from partir_torch.launch import Workers

@@ -92,6 +92,13 @@ def loop_case(rank, world, name):
         partir_torch.step(model, opt, ids[:5])
     except partir_torch.PartirError as e:
         out["five"] = str(e)
+        out["five_axes"] = plan.inputs[0][0]  # the axes the plan splits the batch's dim 0 over
+    out["clip"] = {}
+    for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_):  # a DDP loop's habit
+        try:
+            out["clip"][clip.__name__] = repr(clip(model.parameters(), 1.0))
+        except Exception as e:  # (the test reads what was raised)
+            out["clip"][clip.__name__] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -117,5 +124,14 @@ def test_clipped_and_accumulated_steps_and_another_batch_train_as_unsharded(loop
 
 def test_a_batch_the_plan_does_not_divide_names_the_dim_the_axis_and_drop_last(loop):
     for r in loop:
-        assert "batch tensor 0 has 5 at dim 0" in r["five"] and "'batch'" in r["five"] and "drop_last=True" in \
-            r["five"], r["five"]
+        axes = r["five_axes"] if isinstance(r["five_axes"], list) else [r["five_axes"]]
+        assert "batch tensor 0 has 5 at dim 0" in r["five"] and "drop_last=True" in r["five"], r["five"]
+        assert axes and all(f"'{a}'" in r["five"] for a in axes), (axes, r["five"])
+
+
+def test_clipping_a_sharded_model_s_gradients_by_hand_raises_with_the_option(loop):
+    """The gradients live inside the step: torch's clipping on the model's parameters never returns 0 or clips
+    nothing silently, it raises naming the option that clips over every shard."""
+    for r in loop:
+        for name, said in r["clip"].items():
+            assert "max_grad_norm" in said and "Error" in said.split(":")[0], (name, said)

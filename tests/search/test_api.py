@@ -207,12 +207,12 @@ def wide_llama():
 def _heavy_bytes(state) -> dict[str, int]:
     """Per axis, the bytes of the collectives that move activations inside the step (Megatron's all-reduces,
     re-layouts): model parallelism's. Gradient reductions, and ZeRO-3's parameter gathers with the gradients'
-    reduce-scatters (the bytes of data parallelism's all-reduce, split in two), excluded."""
+    reduce-scatters (the bytes of data parallelism's all-reduce, split in two), and the scalar loss's excluded."""
     from partir_torch.lower import lower
 
     p, out = state.program, dict.fromkeys(state.mesh.names, 0)
     for c in lower(state):
-        if c.op >= 0 and p.values[c.value].role is Role.ACTIVATION:
+        if c.op >= 0 and p.values[c.value].role is Role.ACTIVATION and p.values[c.value].shape:  # (not the loss)
             out[c.axis] += c.bytes
     return out
 
