@@ -96,9 +96,9 @@ def loop_case(rank, world, name):
     out["clip"] = {}
     for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_):  # a DDP loop's habit
         try:
-            out["clip"][clip.__name__] = repr(clip(model.parameters(), 1.0))
+            out["clip"][clip.__name__] = f"returned {clip(model.parameters(), 1.0)!r}"
         except Exception as e:  # (the test reads what was raised)
-            out["clip"][clip.__name__] = f"{type(e).__name__}: {e}"
+            out["clip"][clip.__name__] = f"raised {type(e).__name__}: {e}"
     return out
 
 
@@ -134,4 +134,4 @@ def test_clipping_a_sharded_model_s_gradients_by_hand_raises_with_the_option(loo
     nothing silently, it raises naming the option that clips over every shard."""
     for r in loop:
         for name, said in r["clip"].items():
-            assert "max_grad_norm" in said and "Error" in said.split(":")[0], (name, said)
+            assert said.startswith("raised ") and "max_grad_norm" in said, (name, said)
