@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 _FACADE = {
     "auto_shard": ("partir_torch.api", "auto_shard"),
     "step": ("partir_torch.api", "step"),
+    "load": ("partir_torch.api", "load"),
     "find_plan": ("partir_torch.search.api", "search"),
     "verify": ("partir_torch.api", "verify"),
     "unshard": ("partir_torch.api", "unshard"),
@@ -37,11 +38,11 @@ _FACADE = {
     "ShardingPlan": ("partir_torch.plan", "ShardingPlan"),
     "PartirError": ("partir_torch.errors", "PartirError"),
 }
-__all__ = ["PartirError", "ShardingPlan", "auto_shard", "find_plan", "shard_batch", "start_runtime", "step",
+__all__ = ["PartirError", "ShardingPlan", "auto_shard", "find_plan", "load", "shard_batch", "start_runtime", "step",
            "unshard", "verify"]
 
 if TYPE_CHECKING:
-    from partir_torch.api import auto_shard, shard_batch, start_runtime, step, unshard, verify
+    from partir_torch.api import auto_shard, load, shard_batch, start_runtime, step, unshard, verify
     from partir_torch.errors import PartirError
     from partir_torch.plan import ShardingPlan
     from partir_torch.search.api import search as find_plan

@@ -174,6 +174,15 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
     return _engine(model).step(model, optimizer, *batch, local=local, accumulate=accumulate)
 
 
+def load(model: nn.Module, path, *, strict: bool = True):
+    """Pretrained weights into a model `auto_shard` sharded (torch backend): a `.safetensors` file or a
+    directory as `save_pretrained` writes it, or a DCP checkpoint; each rank reads only its own slices. Keys
+    are the model's `state_dict()` names; missing or unexpected keys and other shapes are errors that name
+    them, the model untouched (`strict=False`: load what matches, warn about the rest). Returns what this
+    rank read (`backends.distributed.load.Loaded`)."""
+    return _engine(model).load(model, path, strict=strict)
+
+
 def start_runtime(mesh) -> None:
     """Start torch_xla's SPMD runtime for `mesh` now. `auto_shard` does it itself; call this first when the
     process runs a backward (a capture, `search()`, CPU training) before `auto_shard`: PyTorch sizes

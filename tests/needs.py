@@ -23,6 +23,16 @@ INSTALL = {
 }
 
 
+def fast() -> bool:
+    """The everyday tier (`./dev test --fast`): property tests draw a quarter of their examples."""
+    return os.environ.get("PARTIR_TESTS", "") == "fast"
+
+
+def examples(n: int) -> int:
+    """`n` hypothesis examples, or a quarter of them (at least 2) in the fast tier (CI draws all `n`)."""
+    return max(2, n // 4) if fast() and not in_ci() else n
+
+
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

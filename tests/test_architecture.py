@@ -185,8 +185,8 @@ def test_no_untyped_slots_cross_the_layers():
     assert not bad, f"fields typed Any: {bad}"
 
 
-FACADE = ["PartirError", "ShardingPlan", "auto_shard", "find_plan", "shard_batch", "start_runtime", "step", "unshard",
-          "verify"]
+FACADE = ["PartirError", "ShardingPlan", "auto_shard", "find_plan", "load", "shard_batch", "start_runtime", "step",
+          "unshard", "verify"]
 
 
 def test_the_facade_is_the_users_verbs_and_shadows_no_module():

@@ -258,6 +258,7 @@ def test_cli_repeat_comes_from_the_request_cache_and_no_cache_bypasses_it(capsys
     assert js["cache"]["level"] == "request" and len(count_searches) == 2
 
 
+@pytest.mark.slow
 def test_cli_a_changed_option_misses_the_request_cache(capsys, count_searches):
     variants = [["--budget", "4"], ["--seed", "1"], ["--mesh", "batch=2,model=4"], ["--mesh", "batch=2:dcn,model=2"],
                 ["--hardware", "tpu-v5e"], ["--schedule", "batch:BatchParallel;model:Auto"], ["--memory", "1GiB"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -13,13 +15,15 @@ from partir_torch.tactics import apply_schedule
 from tests import needs
 from tests.plans import random_plan
 
-ZOO = ["tiny-mlp", "tiny-gpt2", "tiny-llama", "tiny-unet", "tiny-gns", "tiny-moe", "tiny-vit"]
-PLANS = [
-    ("batch=2", "batch:BatchParallel"),
-    ("model=4", "model:Megatron"),
-    ("batch=4", "batch:FSDP"),
-    ("batch=2,model=4", "batch:BatchParallel;model:Megatron;batch:ZeRO(1)"),
-    ("batch=2,model=4", "random"),
+ZOO = ["tiny-mlp", "tiny-gpt2", "tiny-llama", pytest.param("tiny-unet", marks=pytest.mark.slow), "tiny-gns", "tiny-moe",
+       "tiny-vit"]  # (the U-Net: the slowest capture, in CI only)
+PLANS = [  # (the single-axis data-parallel plans, parts of the composite: in CI only)
+    pytest.param("batch=2", "batch:BatchParallel", marks=pytest.mark.slow, id="batch=2:batch:BatchParallel"),
+    pytest.param("model=4", "model:Megatron", id="model=4:model:Megatron"),
+    pytest.param("batch=4", "batch:FSDP", marks=pytest.mark.slow, id="batch=4:batch:FSDP"),
+    pytest.param("batch=2,model=4", "batch:BatchParallel;model:Megatron;batch:ZeRO(1)",
+                 id="batch=2,model=4:batch:BatchParallel;model:Megatron;batch:ZeRO(1)"),
+    pytest.param("batch=2,model=4", "random", id="batch=2,model=4:random"),
 ]
 _CACHE: dict[str, tuple] = {}
 
@@ -38,13 +42,13 @@ def workload(name):
     return _CACHE[name]
 
 
-@pytest.mark.parametrize(("mesh", "schedule"), PLANS, ids=[f"{m}:{s}" for m, s in PLANS])
+@pytest.mark.parametrize(("mesh", "schedule"), PLANS)
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_plan_matches_unsharded(name, mesh, schedule):
     program, params, buffers, inputs, states = workload(name)
     mesh = Mesh.parse(mesh)
     if schedule == "random":
-        state = random_plan(program, mesh, hash(name) % 1000)
+        state = random_plan(program, mesh, zlib.crc32(name.encode()) % 1000)  # (the same plan in every process)
     else:
         state = apply_schedule(program, mesh, schedule)
     res = simulate(program, state, params, buffers, inputs, states)

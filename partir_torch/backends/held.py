@@ -30,6 +30,10 @@ class Engine(Protocol):
         """The model's parameters and buffers whole, on the CPU (checkpoints any process can load)."""
         ...
 
+    def load(self, model: nn.Module, path: Any, *, strict: bool = True) -> Any:
+        """Pretrained weights (safetensors, DCP) into the sharded model, each rank reading its part."""
+        ...
+
 
 _HELD: weakref.WeakKeyDictionary[nn.Module, Engine] = weakref.WeakKeyDictionary()
 

@@ -14,6 +14,7 @@ def two():
         yield w
 
 
+@pytest.mark.engine
 def test_the_torch_backend_moves_what_each_plan_predicts_and_is_priced_as_predicted(two):
     # (on 2 devices no plan halves the replicated peak: the limit is 3/4 of it)
     row = engines.run_one("tiny-mlp", "batch=2", 20, ("torch",), two, log=lambda *_: None, memory=0.75)

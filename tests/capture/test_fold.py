@@ -112,6 +112,7 @@ def test_a_container_that_cannot_be_cut_stays_whole_and_the_others_fold():
     _assert_costs_equal(full, fold)
 
 
+@pytest.mark.slow
 def test_unet_skip_stack_is_never_cut():
     # every repeated container of a U-Net pushes (encoder) or pops (decoder) one skip per block, so no cut
     # keeps the pairing: the capture is the full program, not a wrong folded one

@@ -37,6 +37,7 @@ def test_zoo_group_counts(name):
             assert {n, f"grad[{n}]", f"opt.exp_avg[{n}]", f"updated[{n}]"} <= names
 
 
+@pytest.mark.slow
 def test_unet_groups_blocks_that_repeat():
     model, inputs, loss_fn = models.build("tiny-unet", {"blocks_per_level": "2"}, device="meta")
     keys = [g.key for g in capture(model, inputs, loss_fn, "sgd").groups]

@@ -15,6 +15,7 @@ from partir_torch.ir import Mesh
 from partir_torch.ir.sharding import Sharding
 from partir_torch.lower import end_reshards, op_reshards, transitions
 from partir_torch.lower.layout import Layout, walk
+from tests import needs
 
 MESH = Mesh.parse("batch=2,model=2,x=2")
 
@@ -46,6 +47,7 @@ def feasible(steps, shape, mesh) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_every_reshard_of_the_zoo_s_plans_is_a_feasible_walk():
     """DP + Megatron + ZeRO-3, FSDP before Megatron (axes out of order on a dim), random tiles."""
     from partir_torch.tactics import apply_schedule
@@ -88,7 +90,8 @@ def shardings(draw, rank: int = 2):
     return Sharding(tuple(tuple(d) for d in dims), frozenset(partial), chunks)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)  # (the same examples on every run: CI is repeatable)
+# (derandomized: the same examples on every run, CI is repeatable)
+@settings(max_examples=needs.examples(300), deadline=None, derandomize=True)
 @given(shardings(), shardings())
 def test_a_walk_between_any_two_shardings_is_feasible_and_lands_in_the_destination(src, dst):
     dst = Sharding(dst.dims, frozenset(), dst.chunks) if src.partial < dst.partial else dst  # (no new sums)

@@ -8,7 +8,7 @@ from partir_torch import models
 from partir_torch.capture import capture
 from partir_torch.rules import registered, rule_for
 
-CONFIGS = [(n, a) for n in ["tiny-mlp", "tiny-unet", "tiny-gns"] for a in [None]] + [
+CONFIGS = [("tiny-mlp", None), pytest.param("tiny-unet", None, marks=pytest.mark.slow), ("tiny-gns", None)] + [
     (n, a) for n in ["tiny-gpt2", "tiny-llama", "tiny-moe", "tiny-vit"] for a in ["sdpa", "math"]]
 
 

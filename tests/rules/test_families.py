@@ -8,9 +8,10 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests import needs
 from tests.rules.harness import check
 
-SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+SETTINGS = settings(max_examples=needs.examples(12), deadline=None, suppress_health_check=list(HealthCheck))
 
 
 class Lambda(nn.Module):
@@ -159,7 +160,7 @@ def test_instance_norm_with_running_statistics(data):
     check(m, (r(4, 4, 2, 2),), data)
 
 
-@settings(SETTINGS, max_examples=6)  # one capture of two recurrent layers is the slow part
+@settings(SETTINGS, max_examples=needs.examples(6))  # one capture of two recurrent layers is the slow part
 @given(st.data())
 def test_rnn(data):
     class M(nn.Module):

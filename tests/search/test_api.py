@@ -72,6 +72,7 @@ def test_infeasible_search_reports_the_best_plan_and_what_would_help():
         search(model, inputs, "batch=2", loss_fn=loss_fn, memory=1024, budget=10)
 
 
+@pytest.mark.slow
 def test_search_on_a_renamed_model_finds_the_same_plan_and_beats_the_expert():
     """S2 in small: the GPT 6.7B architecture at 4 layers of width 2048, h100 x 32, batch axis across nodes,
     2.5 GiB per device so that data parallelism does not fit. No name carries meaning: with every module and

@@ -40,3 +40,8 @@ class TorchEngine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load(self, model: nn.Module, path: Any, *, strict: bool = True) -> Any:
+        from partir_torch.backends.distributed.load import load
+
+        return load(model, path, strict=strict)

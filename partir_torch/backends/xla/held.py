@@ -31,3 +31,7 @@ class XlaEngine:
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    def load(self, model: nn.Module, path: Any, *, strict: bool = True) -> Any:
+        raise XlaError("partir_torch.load reads shards on the torch backend; on XLA load the weights before "
+                       "auto_shard (from_pretrained, load_state_dict): XLA shards them as it transfers them")
