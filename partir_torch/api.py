@@ -82,7 +82,8 @@ def require_xla() -> None:
 def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
                loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer, options: Options | None = None,
                plan: ShardingPlan | str | os.PathLike | None = None, backend: str | None = None,
-               compile: bool = False, **overrides: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+               compile: bool = False, init_fn: Callable[[nn.Module], None] | None = None,
+               **overrides: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Shard `model`'s training step over `mesh` and return `(model, optimizer)` to train with.
 
     `mesh`: `{"batch": 2, "model": 4}`, `"batch=2:dcn,model=4"` or a `Mesh`. `loss_fn(model, *inputs)` is the
@@ -99,6 +100,11 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     (`compile=True`: through torch.compile). "xla" applies the plan with torch_xla SPMD in this process
     (the model is moved to the XLA device; the plain loop or `step` trains it). `partir_torch.unshard(model)`
     undoes either; the plan is `model.partir_plan`.
+
+    A model built on the meta device (too large for one rank) is planned as any model and, on the torch
+    backend, each rank initializes only its own parts, module by module: `reset_parameters()`, or
+    `init_fn(module)` filling that module's own tensors (`backends/distributed/materialize.py`); then
+    `partir_torch.load(model, path)` reads pretrained weights shard-wise.
     """
     if not isinstance(model, nn.Module):
         raise PartirError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -121,11 +127,14 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
         if not isinstance(plan, (ShardingPlan, type(None))):
             plan = str(plan)
         model, opt = shard.auto_shard(model, example_inputs, mesh, loss_fn=loss_fn, optimizer=optimizer, plan=plan,
-                                      compile=compile, options=opts)
+                                      compile=compile, options=opts, init_fn=init_fn)
         log.info("partir_torch: sharded %s over %s on torch.distributed\n%s", type(model).__name__, mesh,
                  model.partir_plan.table())
         _warn_scheduler(optimizer)
         return model, opt
+    if init_fn is not None:
+        raise PartirError("init_fn (initializing a meta model's parts on each rank) is the torch backend's: use "
+                          "backend='torch', or build the model with weights")
     if compile:
         raise PartirError("compile=True is the torch backend's (torch.compile of the rank program); torch_xla "
                           "compiles the step itself: drop compile, or use backend='torch'")

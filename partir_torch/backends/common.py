@@ -34,7 +34,7 @@ def initial_states(opt: torch.optim.Optimizer, group: dict[str, Any], p: torch.T
     shared = {s: torch.tensor(1.0 if s == "mu_product" else 0.0, dtype=torch.float32, device=dev)
               for s in spec.shared_states}
     fill = group.get("initial_accumulator_value", 0.0)
-    return {**shared, **{s: torch.full(shape, fill if s == "sum" else 0.0, dtype=p.dtype, device=p.device)
+    return {**shared, **{s: torch.full(shape, fill if s == "sum" else 0.0, dtype=p.dtype, device=dev)
                          for s, shape in spec.state_shapes("p", tuple(p.shape)).items()}}
 
 

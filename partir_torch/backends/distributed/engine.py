@@ -4,7 +4,8 @@ the plan's placements, and `step` runs the rank program of the whole training st
 What `apply` does to the user's model, undone by `unshard(model)`:
 1. every parameter (and buffer) is replaced by a DTensor on the rank's device with the plan's placements
    (`placements`: a dim split over several axes against the mesh's order is DTensor's `_StridedShard`), its
-   values from rank 0 (so that ranks never start apart); `model.state_dict()`, DCP and
+   values from rank 0 (so that ranks never start apart), or for a model built on the meta device,
+   initialized on each rank module by module, its parts only (`materialize.py`); `model.state_dict()`, DCP and
    `get_model_state_dict(full_state_dict=True)` see DTensors as FSDP2 users expect;
 2. the optimizer is rebuilt (same class, groups, hyperparameters) on them, its states created as torch.optim
    creates them and sharded as the plan says (`optimizer.state_dict()` holds DTensors);
@@ -27,7 +28,7 @@ import torch.nn as nn
 
 from partir_torch import _compat
 from partir_torch.backends.common import initial_states, rebuild_optimizer, slots
-from partir_torch.backends.distributed import grads
+from partir_torch.backends.distributed import grads, materialize
 from partir_torch.backends.distributed.rank import RankProgram, trace
 from partir_torch.backends.distributed.reshard import Exchange
 from partir_torch.backends.distributed.runtime import DistributedError, RankMesh
@@ -123,9 +124,12 @@ def _broadcast(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan, state: ShardingState,
           rank_mesh: RankMesh, *, compile: bool = False, loss_fn=None, fallback: bool = False,
-          bucket_cap: int | None = DEFAULT_CAP, hardware=None) -> torch.optim.Optimizer:
+          bucket_cap: int | None = DEFAULT_CAP, hardware=None, init_fn=None,
+          rng: torch.Tensor | None = None) -> torch.optim.Optimizer:
     """Shard `model` and rebuild `optimizer` as `plan` (whose state is `state`) says, on this rank; on any
-    failure the model is as it was and the caller's optimizer untouched. Returns the new optimizer."""
+    failure the model is as it was and the caller's optimizer untouched. Returns the new optimizer. A model
+    on the meta device is initialized on each rank, its parts only (`materialize.py`: `reset_parameters`, or
+    `init_fn(module)`), from rank 0's generator state `rng` (default: as it is now)."""
     from torch.distributed.tensor import DTensor
 
     if model in _SHARDED:
@@ -133,32 +137,38 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
                                "partir_torch.unshard(model) first")
     prog, rm, mesh = state.program, rank_mesh, rank_mesh.mesh
     every = slots(model)
-    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     if meta:
-        raise DistributedError(f"parameters or buffers on the meta device ({', '.join(meta[:5])}): the torch backend "
-                               "shards real tensors; build the model with weights (on the CPU), or use backend='xla'")
+        materialize.check(model, init_fn)
     names = {id(p): n for n, p in model.named_parameters()}
     bnames = {id(b): n for n, b in model.named_buffers()}
     rec = Sharded(plan, state, rm, RankProgram(state, Exchange(mesh, rm.coord, rm.groups), bucket_cap=bucket_cap,
                                                compiled=compile),
                   None, [(m, a, t) for m, a, t, _ in every], names, loss_fn=loss_fn, fallback=fallback,
                   hardware=hardware)
+    def cut(t: torch.Tensor, whole: torch.Tensor, is_param: bool) -> torch.Tensor:
+        """This rank's part of `whole` (the value of the model's `t`) as a DTensor with the plan's placements."""
+        name = names.get(id(t)) or bnames.get(id(t))
+        vid = (prog.params if id(t) in names else prog.buffers).get(name)
+        sh = state.shard[vid] if vid is not None else Sharding.replicated(t.dim())
+        local = local_part(whole, sh, rm).contiguous()
+        data = DTensor.from_local(local, rm.device_mesh, placements(sh, mesh), run_check=False, shape=t.shape,
+                                  stride=_contiguous_stride(t.shape))
+        new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
+        rec.tensors[name] = new
+        return new
+
     try:
         made: dict[int, torch.Tensor] = {}
+        if meta:  # each rank initializes its own parts, module by module (`materialize.py`)
+            if rng is not None:
+                torch.set_rng_state(rng)
+            _same_generator(rm)
+            made = materialize.materialize(model, rm.device, init_fn, cut)
         for mod, attr, t, is_param in every:
             new = made.get(id(t))
             if new is None:
-                name = names.get(id(t)) or bnames.get(id(t))
-                vid = (prog.params if id(t) in names else prog.buffers).get(name)
-                sh = state.shard[vid] if vid is not None else Sharding.replicated(t.dim())
-                whole = _broadcast(t, rm.device)
-                local = local_part(whole, sh, rm).contiguous()
-                del whole
-                data = DTensor.from_local(local, rm.device_mesh, placements(sh, mesh), run_check=False,
-                                          shape=t.shape, stride=_contiguous_stride(t.shape))
-                new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
-                made[id(t)] = new
-                rec.tensors[name] = new
+                new = made[id(t)] = cut(t, _broadcast(t, rm.device), is_param)
             setattr(mod, attr, new)
         opt = _shard_optimizer(optimizer, model, rec)
         grads.install(model.parameters())
@@ -230,14 +240,15 @@ def _shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rec: Sh
         for old_p, p in zip(og["params"], ng["params"]):
             name = rec.names[id(old_p)]
             had = optimizer.state.get(old_p)
-            st = dict(had) if had else initial_states(new, ng, old_p, old_p.device)
+            # states torch.optim would create: the same constants on every rank, made here (a meta model's too)
+            st = dict(had) if had else initial_states(new, ng, old_p, rm.device)
             ids = prog.opt_states.get(name, {})
             for s, t in st.items():
                 if not isinstance(t, torch.Tensor):
                     continue
                 vid = ids.get(s)
                 sh = state.shard[vid] if vid is not None else Sharding.replicated(t.dim())
-                whole = _broadcast(t, rm.device)
+                whole = _broadcast(t, rm.device) if had else t
                 st[s] = whole if t.dim() == 0 else DTensor.from_local(
                     local_part(whole, sh, rm).contiguous(), rm.device_mesh, placements(sh, rm.mesh), run_check=False,
                     shape=t.shape, stride=_contiguous_stride(t.shape))
@@ -315,30 +326,35 @@ def unshard(model: nn.Module) -> nn.Module:
     optimizer `apply` returned becomes its torch.optim class again, on those parameters, its states whole (a
     plain loop trains on with it, or `auto_shard(..., optimizer=it)` shards it again, states and all)."""
     rec = require(model)
-    if rec.optimizer is not None:
-        _unshard_optimizer(rec)
     model.__dict__.pop("forward", None)
     model.__dict__.pop("zero_grad", None)
-    done: set[int] = set()
     current = {(id(m), a): getattr(m, a) for m, a, _ in rec.originals}
+    back: dict[int, torch.Tensor] = {}  # id of the caller's tensor -> what the model holds again
     for mod, attr, orig in rec.originals:
-        if id(orig) not in done:
-            with torch.no_grad():
-                now = current[(id(mod), attr)]
-                orig.copy_((now.full_tensor() if hasattr(now, "full_tensor") else now).to(orig.device))
-            done.add(id(orig))
-        setattr(mod, attr, orig)
+        if id(orig) not in back:
+            now = current[(id(mod), attr)]
+            whole = (now.full_tensor() if hasattr(now, "full_tensor") else now).detach()
+            if orig.is_meta:  # (built on meta: no storage to copy into; a new tensor of the whole values)
+                back[id(orig)] = nn.Parameter(whole, orig.requires_grad) if isinstance(orig, nn.Parameter) else whole
+            else:
+                with torch.no_grad():
+                    orig.copy_(whole.to(orig.device))
+                back[id(orig)] = orig
+        setattr(mod, attr, back[id(orig)])
+    if rec.optimizer is not None:
+        _unshard_optimizer(rec, back)
     del _SHARDED[model]
     release(model)
     model.__dict__.pop("partir_plan", None)
     return model
 
 
-def _unshard_optimizer(rec: Sharded) -> None:
+def _unshard_optimizer(rec: Sharded, back: dict[int, torch.Tensor]) -> None:
     from collections import defaultdict
 
     opt = rec.optimizer
-    by_name = {n: p for p in (o for _, _, o in rec.originals) for n in [rec.names.get(id(p))] if n is not None}
+    by_name = {n: back[id(p)] for p in (o for _, _, o in rec.originals) for n in [rec.names.get(id(p))]
+               if n is not None}
     mine = {id(rec.tensors[n]): p for n, p in by_name.items() if n in rec.tensors}
     for g in opt.param_groups:
         g["params"] = [mine[id(p)] for p in g["params"]]

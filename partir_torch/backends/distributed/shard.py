@@ -90,14 +90,19 @@ def plan_on_rank0(rm: RankMesh, make: Callable[[], ShardingPlan]) -> ShardingPla
 def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.Tensor, mesh, *,
                loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
                options: Options, plan: ShardingPlan | str | None = None,
-               compile: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+               compile: bool = False, init_fn: Callable[[nn.Module], None] | None = None
+               ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Plan (rank 0) with `options`, agree and apply `model`'s step over `mesh` on this rank (module
     docstring)."""
     import partir_torch.search  # noqa: F401  (the search's actions, read back from a plan's decisions)
+    from partir_torch.backends.distributed import materialize
     from partir_torch.capture import capture
     from partir_torch.ir.program import Loop
     from partir_torch.search.api import search
 
+    rng = torch.get_rng_state()  # a meta model is initialized from the generator as the caller left it
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        materialize.check(model, init_fn)  # (before the search: a model it cannot initialize fails at once)
     m, dcn = parse_mesh(mesh)
     rm = connect(m, dcn)
     if options.hardware in (None, "measure"):  # the ranks' own collectives and compute (`calibrate.py`)
@@ -130,6 +135,7 @@ def auto_shard(model: nn.Module, example_inputs: Sequence[torch.Tensor] | torch.
     from partir_torch.cost.hardware import parse_bytes
 
     opt = engine.apply(model, optimizer, the_plan, state, rm, compile=compile, loss_fn=loss_fn, fallback=fallback,
-                       bucket_cap=int(parse_bytes(options.bucket_cap)), hardware=options.hardware)
+                       bucket_cap=int(parse_bytes(options.bucket_cap)), hardware=options.hardware, init_fn=init_fn,
+                       rng=rng)
     steps.install_forward(model)
     return model, opt
