@@ -46,6 +46,7 @@ def meta_case(rank, world, name):
 
     import partir_torch
     from partir_torch import models
+    from partir_torch.backends.distributed.engine import sharded
     from partir_torch.backends.distributed.materialize import init_whole
 
     _, inputs, loss_fn = models.build(name, device="cpu")  # (real batches)
@@ -59,6 +60,7 @@ def meta_case(rank, world, name):
     model, opt = partir_torch.auto_shard(model, inputs, "batch=2", loss_fn=loss_fn, optimizer=opt, init_fn=init,
                                          schedule="batch:FSDP", cache=False, progress=False)
     out["split"] = sum(any(s) for s in model.partir_plan.params.values())
+    out["init_bytes"] = sharded(model).init_bytes
     out["local"] = max(p.to_local().numel() / p.numel() for p in model.parameters() if p.dim())
     out["init"] = max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref.parameters()))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -96,6 +98,8 @@ def test_a_meta_model_initialized_in_parts_equals_the_whole_init_and_trains_as_i
     for r in two.run(meta_case, name):
         assert r["meta"] and r["split"] and r["local"] <= 0.5, r  # every split weight: half on each rank
         assert r["init"] == 0.0, r["init"]
+        largest, model_bytes = r["init_bytes"]  # a rank held one module whole at a time, never the model
+        assert 0 < largest <= 0.5 * model_bytes, r["init_bytes"]
         assert all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in r["losses"]), r["losses"]
         assert r["unsharded"] <= 1e-5 and not r["unsharded_meta"], r
 

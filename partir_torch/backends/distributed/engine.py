@@ -96,6 +96,7 @@ class Sharded:
     variants: dict[Variant, Built] = field(default_factory=dict)  # the plan's other programs (`variants.py`)
     batch_checked: bool = False  # the ranks compared their first global batch
     hardware: Any = None  # the `cost.Hardware` (or preset name) the plan was priced with
+    init_bytes: tuple[int, int] | None = None  # a meta model's: (most bytes held whole at once, the model's)
 
 
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, Sharded] = weakref.WeakKeyDictionary()
@@ -164,7 +165,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
             if rng is not None:
                 torch.set_rng_state(rng)
             _same_generator(rm)
-            made = materialize.materialize(model, rm.device, init_fn, cut)
+            made, rec.init_bytes = materialize.materialize(model, rm.device, init_fn, cut)
         for mod, attr, t, is_param in every:
             new = made.get(id(t))
             if new is None:

@@ -70,12 +70,17 @@ def _fill(mod: nn.Module, own: list[tuple[str, torch.Tensor, bool]], device: tor
 
 
 def materialize(model: nn.Module, device: torch.device, init_fn: InitFn | None,
-                cut: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]) -> dict[int, torch.Tensor]:
+                cut: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+                ) -> tuple[dict[int, torch.Tensor], tuple[int, int]]:
     """id of each meta tensor -> `cut(meta tensor, whole value, is_param)`, module by module (module
-    docstring). The model's attributes hold the meta tensors again on return: the caller puts the cut ones in."""
+    docstring), and (the most bytes held whole at once: the largest module's, the model's bytes). The
+    model's attributes hold the meta tensors again on return: the caller puts the cut ones in."""
     check(model, init_fn)
     out: dict[int, torch.Tensor] = {}
+    largest = total = 0
     for mod, own in owners(model):
+        nbytes = sum(t.numel() * t.element_size() for _, t, _ in own)
+        largest, total = max(largest, nbytes), total + nbytes
         try:
             whole = _fill(mod, own, device, init_fn)
             for n, t, is_param in own:
@@ -84,7 +89,7 @@ def materialize(model: nn.Module, device: torch.device, init_fn: InitFn | None,
         finally:
             for n, t, is_param in own:  # the meta tensors back: the caller's `originals` stay the model's own
                 (mod._parameters if is_param else mod._buffers)[n] = t
-    return out
+    return out, (largest, total)
 
 
 def init_whole(model: nn.Module, init_fn: InitFn | None = None, device: str | torch.device = "cpu") -> nn.Module:
