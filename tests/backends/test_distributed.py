@@ -171,9 +171,10 @@ def test_check_refuses_a_run_that_shards_nothing():
 EXPERTS = {"4": "batch:BatchParallel;model:Megatron;batch:ZeRO(1)", "2": "batch:FSDP"}
 
 
-@pytest.mark.parametrize("name", ["tiny-mlp", "tiny-gpt2", "tiny-llama", "tiny-unet", "tiny-gns", "tiny-moe"])
+@pytest.mark.parametrize("name", ["tiny-mlp", "tiny-gpt2", "tiny-llama", "tiny-gns", "tiny-moe"])
 def test_zoo_expert_plans_run_as_predicted_and_train_as_unsharded(four, two, name):
-    """DP + Megatron + ZeRO-1 on 4 ranks; FSDP on 2 (for two of them: the suite's time)."""
+    """DP + Megatron + ZeRO-1 on 4 ranks; FSDP on 2 (for two of them: the suite's time). The U-Net runs under
+    its own plan below (`benchmarks/engine.py` runs every zoo model's expert plans)."""
     check(four.run(train_case, name, "batch=2,model=2", EXPERTS["4"]))
     if name in ("tiny-mlp", "tiny-gpt2"):
         check(two.run(train_case, name, "batch=2", EXPERTS["2"]))
