@@ -289,21 +289,21 @@ def _evaluate(state: ShardingState, hw: Hardware, dcn_axes: frozenset[str], memo
             temps = np.cumsum(d[:n_ops])
         # the torch backend's buckets (`lower/buckets.py`): one call a bucket, not one a reduction (each call
         # pays the axis's latency: it is the bytes' time that adds up), and a bucket's buffer where it is issued
-        sizes = [len(memo.slot_colls[s]) for s in win.tolist()]
-        calls, buffers = coalesced(colls, np.repeat(st.slot_w[win], sizes).tolist(), state.program, hw.bucket_cap,
-                                   st.block_end)
-        counted: dict[tuple[str, str], int] = {}
-        for c, w in zip(colls, np.repeat(st.slot_w[win], sizes).tolist()):
-            counted[(c.kind, c.axis)] = counted.get((c.kind, c.axis), 0) + w
-        for (kind, axis), n_calls in calls.items():
-            n, fewer = state.mesh.size(axis), counted.get((kind, axis), 0) - n_calls
+        per_slot = sel // (2 * n_ax)
+        slot, cw = win[per_slot], st.slot_w[win][per_slot]  # each collective's slot and fold weight
+        calls, buffers = coalesced(st.slot_val[slot], st.slot_op_arr[slot], moves[per_slot], memo.row_kind.a[r],
+                                   ax, memo.row_bytes.a[r], cw, st, hw.bucket_cap)
+        counted = np.bincount(combo, weights=cw, minlength=len(COLLECTIVES) * n_ax)
+        for (k, a), n_calls in calls.items():
+            kind, axis = COLLECTIVES[k], names[a]
+            n, fewer = state.mesh.size(axis), int(counted[k * n_ax + a]) - n_calls
             if fewer and n > 1:
                 measured = hw.link(axis, kind)
                 alpha = hw.dcn_latency if axis in dcn_axes else hw.link_latency
                 by_axis[axis] -= fewer * (measured[0] if measured else
                                           alpha * (2 * (n - 1) if kind == "all-reduce" else n - 1))
-        for kind, axis in calls:
-            n_calls_by.setdefault(kind, {})[axis] = calls[(kind, axis)]
+        for (k, a), n_calls in calls.items():
+            n_calls_by.setdefault(COLLECTIVES[k], {})[names[a]] = n_calls
         if buffers and n_ops:
             spike = np.zeros(n_ops + 1, dtype=np.int64)
             for at, nb in buffers:

@@ -138,11 +138,19 @@ class Static:
         self.fwd_span = {w: sp[0] for (phase, w), sp in span.items() if phase is Phase.FORWARD}  # folded blocks
         # per op in a folded block, the last op of its block in its phase (-1 elsewhere): a collective read
         # before it repeats once per element, one read after it is made N - 1 times before the first read
-        self.block_end = [-1] * n_ops
+        block_end = [-1] * n_ops
         for (phase, w), (a, b) in span.items():
             for o in range(a, b + 1):
                 if op_w[o] == w and ops[o].phase is phase:
-                    self.block_end[o] = b
+                    block_end[o] = b
+        self.block_end = np.array([*block_end, -1], dtype=np.int64)  # ([-1]: made by no op)
+        # per value, for the buckets' runs (`lower.buckets.coalesced`): its producer, its first read (users in
+        # op order), its dtype's index
+        users = program.users
+        self.v_producer = np.array([v.producer for v in vals], dtype=np.int64)
+        self.v_first_read = np.array([u[0] if u else n_ops for u in users], dtype=np.int64)
+        dtypes: dict = {}
+        self.v_dtype = np.array([dtypes.setdefault(v.dtype, len(dtypes)) for v in vals], dtype=np.int64)
         # per op: its last position, or for a view op, the last use of the views made from its result (a
         # gathered weight's transposed view, read again by the backward, keeps the gathered copy alive)
         vend = [-1] * n_vals

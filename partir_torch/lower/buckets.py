@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from partir_torch.ir.sharding import Sharding
@@ -140,54 +141,58 @@ def plan(found: list[Reduction], cap: int = DEFAULT_CAP) -> list[Bucket]:
     return out
 
 
-def coalesced(colls: list, weights: list[int], program, cap: int = DEFAULT_CAP, block_end: list[int] | None = None
-              ) -> tuple[dict[tuple[str, str], int], list[tuple[int, int]]]:
-    """What `plan` makes of a cost report's collectives, fast enough for the search (no walk is redone): the
-    number of calls per (kind, axis), and where a bucket's buffer is made [(op, bytes)]. A collective that is
-    a value's only one, an all-reduce or reduce-scatter, joins the run of its kind and axis (in the order the
-    values are made) that no member's read interrupts; a run of B bytes is max(1, ceil(B / cap)) calls.
-    In a folded program (`capture/fold.py`) a collective of weight W stands for W copies, one per element:
-    read after its block (`block_end`: a gradient read by the optimizer) the copies join one run of W times
-    its bytes; read within it, each element's copy closes its own run, so the run is W runs. Approximate
-    where `plan` also checks what `cost` does not see (a reduce-scatter's blocks along one dim, a walk's
-    local steps)."""
-    users = program.users
-    per: dict[tuple, int] = {}
-    for c in colls:
-        k = (c.value, c.src, c.dst)
-        per[k] = per.get(k, 0) + 1
-    calls: dict[tuple[str, str], int] = {}
-    cands = []
-    for c, w in zip(colls, weights):
-        made = program.values[c.value].producer
-        if c.kind in ("all-reduce", "reduce-scatter") and per[(c.value, c.src, c.dst)] == 1 and made >= 0:
-            read = c.op if c.op != made else min(users[c.value], default=len(program.ops))
-            if read > made:
-                cands.append((made, read, c, w))
-                continue
-        calls[(c.kind, c.axis)] = calls.get((c.kind, c.axis), 0) + w
-    cands.sort(key=lambda x: x[0])
-    runs: dict[tuple, list] = {}  # (kind, axis, dtype) -> [bytes, first read, last made, largest, copies, bytes once]
+def coalesced(value: np.ndarray, op: np.ndarray, move: np.ndarray, kind: np.ndarray, axis: np.ndarray,
+              nbytes: np.ndarray, weight: np.ndarray, static, cap: int = DEFAULT_CAP
+              ) -> tuple[dict[tuple[int, int], int], list[tuple[int, int]]]:
+    """What `plan` makes of a cost report's collectives, fast enough for the search (arrays, no walk redone):
+    the number of calls per (kind, axis) (indices of `cost.report.COLLECTIVES` and the mesh's axes), and where
+    a bucket's buffer is made [(op, bytes)]. One entry per collective: the value it moves, the op it is
+    issued at (-1: the end of the step), its move (`cost.tables`: a value's (source, destination) pair),
+    kind, axis, bytes and fold weight; `static` (`cost.tables.Static`) gives each value's producer, first
+    read and dtype and each op's folded block.
+
+    A collective that is its value's only one for that move, an all-reduce or reduce-scatter, joins the run
+    of its kind, axis and dtype (in the order the values are made) that no member's read interrupts; a run
+    of B bytes is max(1, ceil(B / cap)) calls. In a folded program (`capture/fold.py`) a collective of
+    weight W stands for W copies, one per element: read after its block (a gradient read by the optimizer)
+    the copies join one run of W times its bytes; read within it, each element's copy closes its own run,
+    so the run is W runs. Approximate where `plan` also checks what `cost` does not see (a reduce-scatter's
+    blocks along one dim, a walk's local steps)."""
+    made = static.v_producer[value]
+    pair = value * (int(move.max(initial=0)) + 1) + move
+    _, inv, count = np.unique(pair, return_inverse=True, return_counts=True)
+    read = np.where(op != made, op, static.v_first_read[value])
+    cand = (kind <= 1) & (made >= 0) & (count[inv] == 1) & (read > made)  # (COLLECTIVES: all-reduce, r-s first)
+    n_ax = int(axis.max(initial=0)) + 1
+    combo = kind * n_ax + axis
+    calls: dict[tuple[int, int], int] = {}
+    rest = np.flatnonzero(~cand)
+    if len(rest):
+        by = np.bincount(combo[rest], weights=weight[rest])
+        calls = {(int(c) // n_ax, int(c) % n_ax): int(by[c]) for c in np.flatnonzero(by)}
     buffers: list[tuple[int, int]] = []
-
-    def close(key: tuple, run: list) -> None:
-        n = run[4] * max(1, -(-run[5] // cap)) if run[4] > 1 else max(1, -(-run[0] // cap))
-        calls[key[:2]] = calls.get(key[:2], 0) + n
-        buffers.append((run[2], min(run[5] if run[4] > 1 else run[0], max(cap, run[3]))))  # up to cap, >= a member
-
-    for made, read, c, w in cands:
-        key = (c.kind, c.axis, program.values[c.value].dtype)
-        run = runs.get(key)
-        if run is not None and run[1] <= made:
-            close(key, run)
-            run = None
-        if run is None:
-            run = runs[key] = [0, read, made, 0, 1, 0]
-        run[0] += w * c.bytes
-        run[5] += c.bytes
-        if w > 1 and block_end is not None and 0 <= read <= block_end[made]:
-            run[4] = max(run[4], w)
-        run[1], run[2], run[3] = min(run[1], read), max(run[2], made), max(run[3], c.bytes)
-    for key, run in runs.items():
-        close(key, run)
+    idx = np.flatnonzero(cand)
+    if not len(idx):
+        return calls, buffers
+    repeat = np.where((weight > 1) & (read <= static.block_end[made]), weight, 1)
+    group = combo[idx] * (int(static.v_dtype.max(initial=0)) + 1) + static.v_dtype[value[idx]]
+    order = np.lexsort((made[idx], group))  # by group, then made (stable: as the values are made)
+    idx, group = idx[order], group[order]
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    ends = np.r_[starts[1:], len(idx)]
+    wbytes, once = weight * nbytes, nbytes
+    for g0, g1 in zip(starts.tolist(), ends.tolist()):
+        m, r = made[idx[g0:g1]], read[idx[g0:g1]]
+        key = (int(kind[idx[g0]]), int(axis[idx[g0]]))
+        i = 0
+        while i < len(m):  # a run: until a member is made at or after the run's first read
+            first = np.minimum.accumulate(r[i:])
+            stop = np.flatnonzero(m[i + 1:] >= first[:-1])
+            j = i + 1 + int(stop[0]) if len(stop) else len(m)
+            members = idx[g0 + i:g0 + j]
+            copies = int(repeat[members].max())
+            b = int(once[members].sum()) if copies > 1 else int(wbytes[members].sum())
+            calls[key] = calls.get(key, 0) + copies * max(1, -(-b // cap))
+            buffers.append((int(m[i:j].max()), min(b, max(cap, int(nbytes[members].max())))))
+            i = j
     return calls, buffers
