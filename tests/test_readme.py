@@ -6,6 +6,7 @@ start-up per line; the ranks `train` starts write to the process's own output)."
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -45,6 +46,10 @@ def test_the_quickstart_script_trains_on_four_ranks(tmp_path):
                          env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "loss " in res.stdout and "predicted" in res.stdout, res.stdout[-2000:]
+    # the quickstart shows a plan that shards (its memory limit asks for it) and the collectives it ran
+    sharded = re.search(r"(\d+) of \d+ parameters sharded", res.stdout)
+    assert sharded and int(sharded.group(1)) > 0, res.stdout[:3000]
+    assert "all-gather" in res.stdout or "all-reduce" in res.stdout, res.stdout[-2000:]
 
 
 def test_the_reference_python_blocks_run_in_order():
