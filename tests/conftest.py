@@ -78,6 +78,18 @@ def pytest_configure(config) -> None:
         start_runtime(8)
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The unit tests listed in `tests/slow_ids.txt` (over 3 s in the fast tier) are `slow` too: out of
+    `./dev test --fast`, run by CI like every test."""
+    from pathlib import Path
+
+    listed = {line.strip() for line in (Path(__file__).parent / "slow_ids.txt").read_text().splitlines()
+              if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_setup(item) -> None:
     """A test marked `xla` needs torch_xla (the XLA environment): skipped without it, or failed under CI
     (`CI=true`), where a missing package means a broken set-up, not a test to leave out."""
