@@ -79,7 +79,7 @@ def pytest_configure(config) -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """The unit tests listed in `tests/slow_ids.txt` (over 3 s in the fast tier) are `slow` too: out of
+    """The unit tests listed in `tests/slow_ids.txt` (over 2.5 s in the fast tier) are `slow` too: out of
     `./dev test --fast`, run by CI like every test."""
     from pathlib import Path
 
