@@ -12,22 +12,8 @@ import warnings
 import pytest
 import torch
 
-from partir_torch.launch import Workers
-
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")]
-
-
-@pytest.fixture(scope="module")
-def four():
-    with Workers(4, timeout=300) as w:
-        yield w
-
-
-@pytest.fixture(scope="module")
-def two():
-    with Workers(2, timeout=300) as w:
-        yield w
 
 
 class AttributeTable(torch.nn.Module):

@@ -9,16 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partir_torch.launch import Workers
 from tests import needs
 
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(scope="module")
-def two():
-    with Workers(2, timeout=300) as w:
-        yield w
 
 
 def gpt2(seed: int):

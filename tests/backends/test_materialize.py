@@ -10,15 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partir_torch.launch import Workers
-
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(scope="module")
-def two():
-    with Workers(2, timeout=300) as w:
-        yield w
 
 
 def llama_init():

@@ -12,17 +12,10 @@ import copy
 import pytest
 import torch
 
-from partir_torch.launch import Workers
 from tests import needs
 
 pytestmark = pytest.mark.engine
 CLIP = 0.05  # small enough to clip every step of these models (their gradient norms are 0.5-2)
-
-
-@pytest.fixture(scope="module")
-def four():
-    with Workers(4, timeout=600) as w:
-        yield w
 
 
 def hf(name: str):
