@@ -72,6 +72,12 @@ class Options:
                                              "torch.nn.utils.clip_grad_norm_ (over every shard)", metavar="NORM")
     max_grad_value: float | None = _opt(None, "clip each gradient element to [-v, v] before the update, as "
                                               "torch.nn.utils.clip_grad_value_", metavar="V")
+    # mixed precision, FSDP2's MixedPrecisionPolicy (the casts are part of the captured step, costed at their dtypes)
+    param_dtype: str | None = _opt(None, "compute forward and backward in this dtype (bfloat16, float16): the floating "
+                                         "parameters stay as they are, the optimizer's master copy, and are cast "
+                                         "for the step, with the model's floating inputs", metavar="DTYPE")
+    reduce_dtype: str | None = _opt(None, "reduce the gradients in this dtype (float32: FSDP2's usual choice) "
+                                          "before their cast back; default: in param_dtype", metavar="DTYPE")
     # how the torch backend runs the plan (the cost model counts its calls the same way)
     bucket_cap: str | int = _opt("25MiB", "the torch backend's reduction buckets: reductions of one kind, mesh axis "
                                           "and dtype issued as one collective up to this many bytes (DDP's "
@@ -93,6 +99,12 @@ class Options:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool) and v > 0):
                 raise PartirError(f"{name} must be a positive number (None: no clipping), got {v!r}")
+        if self.param_dtype is not None or self.reduce_dtype is not None:  # (torch is imported only then)
+            from partir_torch.ir.program import Loop
+
+            policy = Loop(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)  # (names, checked)
+            object.__setattr__(self, "param_dtype", policy.param_dtype)
+            object.__setattr__(self, "reduce_dtype", policy.reduce_dtype)
 
     @classmethod
     def of(cls, options: Options | None = None, **overrides: Any) -> Options:

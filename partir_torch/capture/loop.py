@@ -8,11 +8,19 @@ microbatches run one after another inside the step, each freeing its activations
 Microbatches: the step's inputs arrive stacked, `[k, b, ...]` for a global batch of `k * b` rows (the rows
 in order: microbatch i is rows `i*b .. (i+1)*b - 1`, as `torch.chunk` splits them); the plan splits dim 1,
 the rows of one microbatch, so a device holds its part of every microbatch and no row moves.
+
+Mixed precision (FSDP2's `MixedPrecisionPolicy`): inside the differentiated function each floating parameter
+is cast to `param_dtype` (through `reduce_dtype` where that differs from both), and the model's floating
+inputs too, at its root forward. The casts' backward is the gradient's way back: computed in `param_dtype`,
+cast to `reduce_dtype`, then to the master's dtype. A pending sum passes through that one widening cast
+(`rules/pointwise.py`), so the plan reduces the gradients in `reduce_dtype`, as FSDP2's reduce-scatter does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -23,8 +31,10 @@ Grads = list[torch.Tensor]
 
 
 def loop_of(options) -> Loop:
-    """The `Loop` an `Options` asks for (its `accumulate`, `max_grad_norm`, `max_grad_value`)."""
-    return Loop(options.accumulate, options.max_grad_norm, options.max_grad_value)
+    """The `Loop` an `Options` asks for (its `accumulate`, `max_grad_norm`, `max_grad_value`, `param_dtype`,
+    `reduce_dtype`)."""
+    return Loop(options.accumulate, options.max_grad_norm, options.max_grad_value,
+                param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
 
 
 def stacked_shape(shape: Sequence[int], loop: Loop, i: int) -> tuple[int, ...]:
@@ -92,3 +102,40 @@ def clipped(grads: Grads, loop: Loop) -> Grads:
     if loop.max_grad_value is not None:
         grads = [g.clamp(-loop.max_grad_value, loop.max_grad_value) for g in grads]
     return grads
+
+
+def cast_params(values: Mapping[str, torch.Tensor], names: Sequence[str], loop: Loop) -> dict[str, torch.Tensor]:
+    """`values` with the floating parameters among `names` cast as the policy says (module docstring)."""
+    pdt, rdt = loop.dtype("param_dtype"), loop.dtype("reduce_dtype")
+    if pdt is None:
+        return dict(values)
+    out = dict(values)
+    for n in names:
+        p = values[n]
+        if p.is_floating_point() and p.dtype != pdt:
+            if rdt is not None and rdt not in (pdt, p.dtype):
+                p = p.to(rdt)
+            out[n] = p.to(pdt)
+    return out
+
+
+@contextlib.contextmanager
+def cast_inputs(model: torch.nn.Module, loop: Loop) -> Iterator[None]:
+    """While on: the model's root forward gets its floating tensor arguments in `param_dtype` (FSDP2's
+    `cast_forward_inputs`); the loss function's own tensors (targets) are left as they are."""
+    pdt = loop.dtype("param_dtype")
+    if pdt is None:
+        yield
+        return
+
+    def cast(a: Any) -> Any:
+        return a.to(pdt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+    def pre(mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tuple(cast(a) for a in args), {k: cast(a) for k, a in kwargs.items()}
+
+    handle = model.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -13,6 +13,7 @@ what the traced code leaves in the model, taken back (`isolation`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import warnings
@@ -35,7 +36,7 @@ from partir_torch.capture.explain import CompiledPathError, data_dependent, expl
 from partir_torch.capture.fold import KEEP, folded
 from partir_torch.capture.groups import parameter_groups
 from partir_torch.capture.isolation import ModelState
-from partir_torch.capture.loop import accumulated, clipped, stacked_shape, with_aux
+from partir_torch.capture.loop import accumulated, cast_inputs, cast_params, clipped, stacked_shape, with_aux
 from partir_torch.capture.opaque import TENSOR, OpaqueModules, OutputShapeVaries
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
 from partir_torch.capture.rewrites import Rewrites
@@ -124,7 +125,7 @@ def capture(
         )
     mode = mode or "train"
     loop = loop or Loop()
-    if mode == "inference" and loop != Loop():
+    if mode == "inference" and dataclasses.replace(loop, param_dtype=None, reduce_dtype=None) != Loop():
         raise CaptureError(f"a forward pass has no gradients to accumulate or clip ({loop}); capture mode='train'")
     if mode not in ("train", "inference"):
         raise CaptureError(f"mode must be 'train' or 'inference', got {mode!r}")
@@ -176,8 +177,8 @@ def capture(
         s_vals = {n: {s: next(s_iter) for s in states[n]} for n in updated}
         xs = flat[n_p + n_b + n_s :]
         if mode == "inference":
-            with _reparametrize_module(model, {**p_vals, **b_vals}, tie_weights=True), \
-                    ForwardArgs(model, xs, input_args):
+            with _reparametrize_module(model, {**cast_params(p_vals, names, loop), **b_vals}, tie_weights=True), \
+                    ForwardArgs(model, xs, input_args), cast_inputs(model, loop):
                 out = model(*xs)
             flat, tree = _compat.pytree.tree_flatten(out)
             out_tree[:] = [(tree, tuple(TENSOR if isinstance(t, torch.Tensor) else t for t in flat))]
@@ -189,9 +190,9 @@ def capture(
         # Buffers go in as an argument of the differentiated function: torch.func lets it mutate those
         # (BatchNorm's running statistics); functionalization then turns each mutation into an output.
         def loss_of(train_vals: list[torch.Tensor], buf_vals: dict[str, torch.Tensor], mb):
-            values = {**p_vals, **dict(zip(trainable, train_vals)), **buf_vals}
+            values = {**cast_params({**p_vals, **dict(zip(trainable, train_vals))}, names, loop), **buf_vals}
             with _reparametrize_module(model, values, tie_weights=True), \
-                    ForwardArgs(model, mb, input_args):
+                    ForwardArgs(model, mb, input_args), cast_inputs(model, loop):
                 loss, aux = with_aux(loss_fn(model, *mb))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__

@@ -116,17 +116,45 @@ class Group:
         return f"group {self.id} {self.key} x{len(self.params)} {list(self.shape)}"
 
 
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32", "float64")  # what a mixed-precision policy may name
+
+
+def float_dtype_name(value: Any, field: str) -> str | None:
+    """A floating dtype (`torch.bfloat16`, "bfloat16", "bf16", "torch.float16") as its torch name; None stays
+    None; anything else is an error naming `field` and the floating dtypes."""
+    from partir_torch.errors import PartirError
+
+    if value is None:
+        return None
+    short = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+             "fp64": "float64", "double": "float64"}
+    name = str(value).removeprefix("torch.")
+    name = short.get(name, name)
+    if name not in COMPUTE_DTYPES:
+        why = (" (float8 has no matmul kernels but torch._scaled_mm's: keep such scaling in the model)"
+               if name.startswith("float8") else "")
+        raise PartirError(f"{field}={value!r} is not a floating dtype the step can compute in{why}; use one of "
+                          f"{', '.join(COMPUTE_DTYPES)}")
+    return name
+
+
 @dataclass(frozen=True)
 class Loop:
     """What a training loop asks of the step beyond one forward, backward and update: `accumulate` microbatches
     (each input's dim 0 split in that many, in order; their gradients averaged before one update, as k calls of
     `(loss / k).backward()` leave them), the gradients clipped by their global 2-norm (as
-    `torch.nn.utils.clip_grad_norm_` clips them) or by value (`clip_grad_value_`) before the update."""
+    `torch.nn.utils.clip_grad_norm_` clips them) or by value (`clip_grad_value_`) before the update; and a
+    mixed-precision policy, FSDP2's `MixedPrecisionPolicy`: floating parameters (kept as they are, the
+    optimizer's master copy) cast to `param_dtype` for forward and backward, with the model's floating inputs,
+    and their gradients reduced in `reduce_dtype` (None: in `param_dtype`) before the cast back. Dtypes are
+    held by name ("bfloat16"), as a plan's JSON holds them."""
 
     accumulate: int = 1
     max_grad_norm: float | None = None
     max_grad_value: float | None = None
     divide: int | None = None  # the gradients' sum divided by this (None: by `accumulate`, their mean)
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
 
     @property
     def divide_by(self) -> int:
@@ -143,12 +171,24 @@ class Loop:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int | float) and v > 0):
                 raise PartirError(f"{name} must be a positive number (or None: no clipping), got {v!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            object.__setattr__(self, name, float_dtype_name(getattr(self, name), name))
+        if self.reduce_dtype is not None and self.param_dtype is None:
+            raise PartirError(f"reduce_dtype={self.reduce_dtype!r} without param_dtype: the gradients are reduced "
+                              "in the parameters' own dtype; set param_dtype too (FSDP2's MixedPrecisionPolicy)")
+
+    def dtype(self, name: str) -> torch.dtype | None:
+        """`param_dtype` or `reduce_dtype` as a torch dtype."""
+        v = getattr(self, name)
+        return None if v is None else getattr(torch, v)
 
     def __str__(self) -> str:
         parts = [f"accumulate={self.accumulate}"] if self.accumulate > 1 else []
         parts += [f"divide={self.divide}"] if self.divide not in (None, self.accumulate) else []
         parts += [f"{k}={v:g}" for k, v in (("max_grad_norm", self.max_grad_norm),
                                               ("max_grad_value", self.max_grad_value)) if v is not None]
+        parts += [f"{k}={v}" for k, v in (("param_dtype", self.param_dtype), ("reduce_dtype", self.reduce_dtype))
+                  if v is not None]
         return ", ".join(parts) or "one step"
 
 

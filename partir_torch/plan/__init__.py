@@ -34,6 +34,9 @@ from partir_torch.propagate import ShardingState
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
 
 
+_POLICY = ("param_dtype", "reduce_dtype")  # `Loop` fields written only where set (older plans lack them)
+
+
 @dataclass(frozen=True)
 class PlanSpecs:
     params: dict[str, Spec]
@@ -188,8 +191,9 @@ class ShardingPlan:
     # what the CLI built the program from ({"model": zoo name or /abs/file.py:factory, "config": [KEY=VALUE]}),
     # so `partir-torch verify plan.json` needs no MODEL; None for a plan made in Python
     workload: dict[str, Any] | None = None
-    # what the step does beyond one update (`ir.Loop`: accumulate, max_grad_norm, max_grad_value); its
-    # inputs are then the example inputs stacked [k, b, ...]
+    # what the step does beyond one update (`ir.Loop`: accumulate, max_grad_norm, max_grad_value, the
+    # mixed-precision policy's param_dtype and reduce_dtype where set); its inputs are then the example inputs
+    # stacked [k, b, ...]
     loop: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -208,7 +212,9 @@ class ShardingPlan:
                    buffers=expand({n: state.shard[v].to_spec() for n, v in p.buffers.items()}), shapes=shapes,
                    input_args=list(p.input_args), optimizer=p.optimizer, program_hash=p.content_hash(),
                    compiling=p.compiling, decisions=[str(d) for d in state.actions],
-                   loop={k: v for k, v in asdict(p.loop).items() if k != "divide"} if p.loop != Loop() else {},
+                   loop={k: v for k, v in asdict(p.loop).items() if k != "divide" and (v is not None or k not in
+                                                                                          _POLICY)}
+                   if p.loop != Loop() else {},
                    state_hash=state.digest(), **{f.name: getattr(sp, f.name) for f in fields(PlanSpecs)})
 
     @property

@@ -368,7 +368,7 @@ def _grad_sent(state: ShardingState, v: int, mine: set[int]) -> Sharding | None:
 
 def _summed_by(state: ShardingState, v: int) -> str | None:
     """The rule of the op that makes the pending sum `v`, through the data movement after it."""
-    from partir_torch.propagate import MOVES
+    from partir_torch.propagate import SUMS_PASS
 
     program = state.program
     while True:
@@ -376,7 +376,7 @@ def _summed_by(state: ShardingState, v: int) -> str | None:
         if o is None or o < 0:
             return None
         rule = state.rules[o]
-        if rule.name in MOVES and len(rule.operands) == 1 and state.shard[rule.operands[0].value].partial:
+        if rule.name in SUMS_PASS and len(rule.operands) == 1 and state.shard[rule.operands[0].value].partial:
             v = rule.operands[0].value
             continue
         return rule.name

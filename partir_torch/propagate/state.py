@@ -58,6 +58,9 @@ def program_rules(program: Program, mesh: Mesh, *, fallback: bool = False) -> li
 
 
 MOVES = {"permute", "reshape"}  # rules of pure data movement, linear in their one operand
+# rules a pending sum passes through: data movement, and the mixed-precision policy's widening cast of a gradient
+# (`rules/pointwise.py::cast`), which is not a relayout (its result's bytes differ)
+SUMS_PASS = MOVES | {"widen"}
 
 
 class Changes:
@@ -273,7 +276,7 @@ class ShardingState:
 
     def _step(self, o: int, axis: str) -> list[int]:
         rule = self.rules[o]
-        if rule.name in MOVES and axis in self.shard[rule.operands[0].value].partial:
+        if rule.name in SUMS_PASS and axis in self.shard[rule.operands[0].value].partial:
             # a pending sum moves through pure data movement (transposes, reshapes): reduce later, once
             if axis not in self.passthrough[o]:
                 self.passthrough[o] = self.passthrough[o] | {axis}

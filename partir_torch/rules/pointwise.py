@@ -7,6 +7,8 @@ ids) tile like any other. The explicit list holds the elementwise ops torch does
 
 from __future__ import annotations
 
+import torch
+
 from partir_torch.ir.program import Op, Program
 from partir_torch.rules.base import LETTERS, OpRule, register, register_tag, spec_rule, tensor_args
 
@@ -39,12 +41,31 @@ def broadcast_spec(program: Program, operands: list[int], result: int) -> str:
     "aten.lt.Scalar", "aten.ge.Tensor", "aten.ge.Scalar", "aten.le.Tensor", "aten.le.Scalar", "aten.eq.Tensor",
     "aten.eq.Scalar", "prims.le.default", "prims.lt.default", "prims.ge.default", "prims.gt.default",
     "prims.eq.default", "prims.where.default",
-    "aten.ne.Tensor", "aten.logical_not.default", "aten._to_copy.default", "aten.clone.default",
+    "aten.ne.Tensor", "aten.logical_not.default", "aten.clone.default",
     "aten.ones_like.default", "aten.zeros_like.default", "aten.empty_like.default", "aten.full_like.default",
     "aten.fill.Scalar", "aten.detach.default", "aten.copy.default", "aten.lift_fresh_copy.default",
     "aten.where.ScalarOther", "aten.where.ScalarSelf", "aten.where.Scalar", "aten.fill.Tensor",
-    "prims.copy_to.default", "prims.div.default", "prims.convert_element_type.default",
+    "prims.copy_to.default", "prims.div.default",
 )
 @register_tag("pointwise")
 def pointwise(op: Op, program: Program) -> OpRule:
     return spec_rule(op, program, broadcast_spec(program, tensor_args(op), op.outputs[0]), name="pointwise")
+
+
+@register("aten._to_copy.default", "prims.convert_element_type.default")
+def cast(op: Op, program: Program) -> OpRule:
+    """A cast is elementwise; the mixed-precision policy's widening cast of a gradient (`param_dtype` to
+    `reduce_dtype`, `capture/loop.py`) is named `widen`: a pending sum passes through it, so the sum is
+    reduced in `reduce_dtype` as the policy asks (exact in float64, where the simulator checks plans)."""
+    ins = tensor_args(op)
+    name = "widen" if ins and _policy_widening(program, program.values[ins[0]].dtype,
+                                               program.values[op.outputs[0]].dtype) else "pointwise"
+    return spec_rule(op, program, broadcast_spec(program, ins, op.outputs[0]), name=name)
+
+
+def _policy_widening(program: Program, src: torch.dtype, dst: torch.dtype) -> bool:
+    loop = getattr(program, "loop", None)
+    if loop is None or loop.reduce_dtype is None:
+        return False
+    pdt, rdt = loop.dtype("param_dtype"), loop.dtype("reduce_dtype")
+    return src == pdt and dst == rdt and rdt.itemsize > pdt.itemsize

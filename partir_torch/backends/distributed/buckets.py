@@ -39,7 +39,8 @@ class Buckets:
             for m in bucket.members:
                 self.of[m.slot] = (b, m, offset)
                 offset += _numel(m) // n
-        self.held: dict[int, list[torch.Tensor]] = {}  # bucket -> the summands put so far, in member order
+        self.index = {m.slot: i for bucket in plan for i, m in enumerate(bucket.members)}
+        self.held: dict[int, dict[int, torch.Tensor]] = {}  # bucket -> the summands put so far, by member
         self.issued: dict[int, torch.Tensor] = {}  # bucket -> its collective's result, waited at the first read
         self.waited: set[int] = set()
 
@@ -49,8 +50,8 @@ class Buckets:
     def put(self, slot: Hashable, x: torch.Tensor) -> None:
         """A member's summand, as made; the bucket issued once its last member is made."""
         b, _, _ = self.of[slot]
-        held = self.held.setdefault(b, [])
-        held.append(x)
+        held = self.held.setdefault(b, {})
+        held[self.index[slot]] = x  # (members of one op may be made in another order than the plan lists them)
         if len(held) == len(self.plan[b].members):
             self._issue(b)
 
@@ -73,7 +74,8 @@ class Buckets:
         return out[offset:offset + _numel(m) // n].view(moved).movedim(0, m.dim)
 
     def _issue(self, b: int) -> None:
-        bucket, held = self.plan[b], self.held.pop(b)
+        bucket, by_member = self.plan[b], self.held.pop(b)
+        held = [by_member[i] for i in range(len(bucket.members))]
         ops, name = _compat.c10d_functional, self.group_name(bucket.axis)
         if bucket.kind == "all-reduce":
             buf = torch.cat([x.reshape(-1) for x in held]) if len(held) > 1 else held[0].reshape(-1).clone()

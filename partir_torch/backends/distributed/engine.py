@@ -123,6 +123,19 @@ def _broadcast(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
+def check_compute_dtype(dtype: torch.dtype | None, device: torch.device) -> None:
+    """A mixed-precision `param_dtype` the rank's device has matmul kernels for (a 2 x 2 product tried there)."""
+    if dtype is None:
+        return
+    try:
+        probe = torch.ones(2, 2, dtype=dtype, device=device)
+        torch.mm(probe, probe)
+    except (RuntimeError, NotImplementedError) as e:
+        raise DistributedError(f"param_dtype={dtype} cannot compute on this rank's {device.type} device: a matmul in "
+                               f"it fails ({str(e).splitlines()[0]}); choose a dtype the device computes in "
+                               "(bfloat16 on CPUs and on GPUs from Ampere on, float16 on older GPUs)") from e
+
+
 def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan, state: ShardingState,
           rank_mesh: RankMesh, *, compile: bool = False, loss_fn=None, fallback: bool = False,
           bucket_cap: int | None = DEFAULT_CAP, hardware=None, init_fn=None,
@@ -137,6 +150,7 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
         raise DistributedError(f"{type(model).__name__} is already sharded by partir_torch; call "
                                "partir_torch.unshard(model) first")
     prog, rm, mesh = state.program, rank_mesh, rank_mesh.mesh
+    check_compute_dtype(prog.loop.dtype("param_dtype"), rm.device)
     every = slots(model)
     meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     if meta:

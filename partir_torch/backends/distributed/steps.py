@@ -12,6 +12,7 @@ not silently.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -101,8 +102,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, *batch: torch.Tenso
                                f"({'; '.join(changed[:4])}): the rank program holds every one but the learning rate "
                                "as a constant; keep them fixed (OneCycleLR / CyclicLR: cycle_momentum=False), or "
                                "shard again")
-    loop = prog.loop if accumulate is None and divide is None else Loop(
-        accumulate or prog.loop.accumulate, prog.loop.max_grad_norm, prog.loop.max_grad_value, divide)
+    loop = prog.loop if accumulate is None and divide is None else dataclasses.replace(
+        prog.loop, accumulate=accumulate or prog.loop.accumulate, divide=divide)
     variant = Variant.of("step", batch, loop=loop)
     if not local and not rec.batch_checked:
         from partir_torch.backends.distributed.shard import same_tensors
@@ -167,7 +168,8 @@ class _ShardedForward:
                                         if not isinstance(a, torch.Tensor))])
             raise DistributedError(f"a model sharded by partir_torch runs its forward on tensors passed "
                                    f"positionally; got {bad}: pass the tensors in forward's order")
-        built = program_for(rec, model, None, Variant.of("forward", args, training=model.training), args)
+        variant = Variant.of("forward", args, training=model.training, loop=_policy(rec.state.program.loop))
+        built = program_for(rec, model, None, variant, args)
         prog = built.state.program
         flat = rank_inputs(rec, model, None, args, state=built.state)
         with torch.no_grad():
@@ -215,3 +217,8 @@ class _NoBackward(torch.autograd.Function):
                                "*batch)`, not loss.backward(); its own forward is for evaluation")
 
 
+
+
+def _policy(loop: Loop) -> Loop:
+    """The mixed-precision policy of a step's loop, alone: what a forward of the same model runs under."""
+    return Loop(param_dtype=loop.param_dtype, reduce_dtype=loop.reduce_dtype)

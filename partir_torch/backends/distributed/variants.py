@@ -172,7 +172,7 @@ def capture_variant(model: nn.Module, variant: Variant, batch: Sequence[torch.Te
     if variant.kind == "forward":
         with training(model, variant.training):
             return capture(model, tuple(batch), None, None, mode="inference", fold=False, fallback=fallback,
-                           assume_compiling=compiling)
+                           assume_compiling=compiling, loop=variant.loop)
     return capture(model, tuple(batch), loss_fn, optimizer, fold=False, fallback=fallback,
                    assume_compiling=compiling, loop=variant.loop)
 
