@@ -32,9 +32,9 @@ Grads = list[torch.Tensor]
 
 def loop_of(options) -> Loop:
     """The `Loop` an `Options` asks for (its `accumulate`, `max_grad_norm`, `max_grad_value`, `param_dtype`,
-    `reduce_dtype`)."""
+    `reduce_dtype`, `remat`)."""
     return Loop(options.accumulate, options.max_grad_norm, options.max_grad_value,
-                param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype)
+                param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype, remat=options.remat)
 
 
 def stacked_shape(shape: Sequence[int], loop: Loop, i: int) -> tuple[int, ...]:

@@ -39,6 +39,8 @@ from partir_torch.capture.isolation import ModelState
 from partir_torch.capture.loop import accumulated, cast_inputs, cast_params, clipped, stacked_shape, with_aux
 from partir_torch.capture.opaque import TENSOR, OpaqueModules, OutputShapeVaries
 from partir_torch.capture.optim import OptimizerSpec, optimizer_spec
+from partir_torch.capture.remat import blocks as remat_blocks
+from partir_torch.capture.remat import rematerialize
 from partir_torch.capture.rewrites import Rewrites
 from partir_torch.errors import CaptureError
 from partir_torch.ir.program import Group, Loop, Program, Role
@@ -266,6 +268,8 @@ def capture(
                 getattr(mod, kind)[n] = obj
     check_functional(gm)
     in_memory_order(gm)
+    if loop.remat is not None and mode == "train":
+        rematerialize(gm, remat_blocks(model), loop.remat)
     for where, p in dict(draws.skipping).items():
         warnings.warn(f"capture: the one-element torch.rand at {where} is compared with {p:g} (a LayerDrop-style "
                       "skip): the plan is made for the step that keeps every layer (the draw taken as 1.0); a step "

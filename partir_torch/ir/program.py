@@ -147,7 +147,8 @@ class Loop:
     mixed-precision policy, FSDP2's `MixedPrecisionPolicy`: floating parameters (kept as they are, the
     optimizer's master copy) cast to `param_dtype` for forward and backward, with the model's floating inputs,
     and their gradients reduced in `reduce_dtype` (None: in `param_dtype`) before the cast back. Dtypes are
-    held by name ("bfloat16"), as a plan's JSON holds them."""
+    held by name ("bfloat16"), as a plan's JSON holds them. And activation checkpointing (`remat`): each
+    repeated block's forward run again in backward, as the step's own ops."""
 
     accumulate: int = 1
     max_grad_norm: float | None = None
@@ -155,6 +156,7 @@ class Loop:
     divide: int | None = None  # the gradients' sum divided by this (None: by `accumulate`, their mean)
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    remat: str | None = None  # "full" | "selective": every repeated block recomputed in backward (`capture/remat.py`)
 
     @property
     def divide_by(self) -> int:
@@ -173,6 +175,9 @@ class Loop:
                 raise PartirError(f"{name} must be a positive number (or None: no clipping), got {v!r}")
         for name in ("param_dtype", "reduce_dtype"):
             object.__setattr__(self, name, float_dtype_name(getattr(self, name), name))
+        if self.remat not in (None, "full", "selective"):
+            raise PartirError(f"remat={self.remat!r}: 'full' (each repeated block's forward run again in backward), "
+                              "'selective' (the same, its matmul and attention outputs kept) or None")
         if self.reduce_dtype is not None and self.param_dtype is None:
             raise PartirError(f"reduce_dtype={self.reduce_dtype!r} without param_dtype: the gradients are reduced "
                               "in the parameters' own dtype; set param_dtype too (FSDP2's MixedPrecisionPolicy)")
@@ -187,8 +192,8 @@ class Loop:
         parts += [f"divide={self.divide}"] if self.divide not in (None, self.accumulate) else []
         parts += [f"{k}={v:g}" for k, v in (("max_grad_norm", self.max_grad_norm),
                                               ("max_grad_value", self.max_grad_value)) if v is not None]
-        parts += [f"{k}={v}" for k, v in (("param_dtype", self.param_dtype), ("reduce_dtype", self.reduce_dtype))
-                  if v is not None]
+        parts += [f"{k}={v}" for k, v in (("param_dtype", self.param_dtype), ("reduce_dtype", self.reduce_dtype),
+                                           ("remat", self.remat)) if v is not None]
         return ", ".join(parts) or "one step"
 
 

@@ -34,7 +34,7 @@ from partir_torch.propagate import ShardingState
 Spec = list  # one entry per dim: None, an axis name, or a list of axis names (major to minor)
 
 
-_POLICY = ("param_dtype", "reduce_dtype")  # `Loop` fields written only where set (older plans lack them)
+_POLICY = ("param_dtype", "reduce_dtype", "remat")  # `Loop` fields written only where set (older plans lack them)
 
 
 @dataclass(frozen=True)
@@ -191,9 +191,9 @@ class ShardingPlan:
     # what the CLI built the program from ({"model": zoo name or /abs/file.py:factory, "config": [KEY=VALUE]}),
     # so `partir-torch verify plan.json` needs no MODEL; None for a plan made in Python
     workload: dict[str, Any] | None = None
-    # what the step does beyond one update (`ir.Loop`: accumulate, max_grad_norm, max_grad_value, the
-    # mixed-precision policy's param_dtype and reduce_dtype where set); its inputs are then the example inputs
-    # stacked [k, b, ...]
+    # what the step does beyond one update (`ir.Loop`: accumulate, max_grad_norm, max_grad_value; where set,
+    # the mixed-precision policy's param_dtype and reduce_dtype, and remat); its inputs are then the example
+    # inputs stacked [k, b, ...]
     loop: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

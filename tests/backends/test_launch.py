@@ -75,3 +75,20 @@ def test_a_rank_that_exits_fails_the_call_at_once_with_its_exit_code():
         assert time.monotonic() - start < 30
         with pytest.raises(RankError, match=r"stopped \(.*rank 1 exited with code 3\); start new Workers"):
             w.run(exits)
+
+
+def _unsendable(rank, world):
+    import torch
+
+    return torch.ones(2, requires_grad=True) * 2  # autograd refuses to cross processes
+
+
+def test_a_result_that_cannot_be_sent_fails_the_call_at_once():
+    from partir_torch.backends.distributed.launch import RankError
+    from partir_torch.launch import Workers
+
+    with Workers(2, timeout=120) as w:
+        t0 = time.monotonic()
+        with pytest.raises(RankError, match="Cowardly refusing to serialize"):
+            w.run(_unsendable)
+        assert time.monotonic() - t0 < 60  # not the timeout

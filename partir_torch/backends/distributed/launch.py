@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -85,7 +86,9 @@ def _serve(rank: int, world: int, port: int, backend: str, jobs: Any, results: A
                 break
             fn, args = job
             try:
-                results.put((rank, True, fn(rank, world, *args)))
+                value = fn(rank, world, *args)
+                ForkingPickler.dumps(value)  # (the queue pickles in a thread of its own, where a failure is lost)
+                results.put((rank, True, value))
             except BaseException:
                 results.put((rank, False, traceback.format_exc()))
     finally:
