@@ -70,7 +70,7 @@ def test_stock_transformer_encoder_recomputes_its_layers():
     def loss_fn(m, x):
         return m(x).pow(2).mean()
 
-    diff, added, kept, redo = _same_step(model, (x,), loss_fn, "full")
+    diff, added, _kept, redo = _same_step(model, (x,), loss_fn, "full")
     assert diff <= 1e-6 and added > 0
     assert {op.module.split(".")[1] for op in redo.ops
             if op.phase.name == "BACKWARD" and op.module and op.module.startswith("layers.")} == {"0", "1", "2"}
@@ -148,7 +148,7 @@ def test_hf_gpt2_blocks_recompute_and_its_dropout_is_named():
                                       resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
         return transformers.GPT2LMHeadModel(cfg)
 
-    diff, added, _, redo = _same_step(gpt2(0.0), (ids,), loss_fn, "full")
+    diff, added, _, _redo = _same_step(gpt2(0.0), (ids,), loss_fn, "full")
     assert diff <= 1e-6 and added > 0
     with pytest.raises(CaptureError, match=r"block 'transformer.h.0' draws random numbers"):
         capture(gpt2(0.1), (ids,), loss_fn, "adamw", loop=Loop(remat="full"))
