@@ -35,8 +35,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 # name: (model, overrides, hardware, mesh (":dcn" marks slow axes), CLI budget, wall target s, description)
 # L405: the as-trained shape fits no expert composite in 95 GiB (seq 8192, one sequence per batch-parallel
-# group, 126 layers of saved activations: the model has no activation recomputation, which 405B training uses),
-# so its memory limit is lifted (`MEMORY`) and it is a planning-time and step-time scenario only
+# group, 126 layers of saved activations), not even with full activation checkpointing (`benchmarks/remat.py`,
+# where the search with it does fit), so its memory limit is lifted (`MEMORY`) and it is a planning-time and
+# step-time scenario only
 SCENARIOS = {
     "L70": ("llama2-70b", {}, "tpu-v5p", "data=16:dcn,fsdp=16,model=8", "4s", 10.0,
             "Llama-2-70B, tpu-v5p x 2048 {data:16 DCN, fsdp:16, model:8}"),

@@ -79,8 +79,10 @@ class Options:
     reduce_dtype: str | None = _opt(None, "reduce the gradients in this dtype (float32: FSDP2's usual choice) "
                                           "before their cast back; default: in param_dtype", metavar="DTYPE")
     remat: str | None = _opt(None, "activation checkpointing of every repeated block (full: its forward run again in "
-                                   "backward; selective: the same, its matmul and attention outputs kept), part "
-                                   "of the step the plan is searched and costed on", choices=("full", "selective"))
+                                   "backward; selective: the same, its matmul and attention outputs kept; auto: "
+                                   "the search plans each way, none included, and keeps the best that fits), part "
+                                   "of the step the plan is searched and costed on",
+                             choices=("full", "selective", "auto"))
     # how the torch backend runs the plan (the cost model counts its calls the same way)
     bucket_cap: str | int = _opt("25MiB", "the torch backend's reduction buckets: reductions of one kind, mesh axis "
                                           "and dtype issued as one collective up to this many bytes (DDP's "
@@ -96,8 +98,8 @@ class Options:
             raise PartirError(f"progress must be None, True, False, 'bar' or 'lines', got {self.progress!r}")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise PartirError(f"accumulate must be a whole number of microbatches >= 1, got {self.accumulate!r}")
-        if self.remat not in (None, "full", "selective"):
-            raise PartirError(f"remat must be 'full', 'selective' or None, got {self.remat!r}")
+        if self.remat not in (None, "full", "selective", "auto"):
+            raise PartirError(f"remat must be 'full', 'selective', 'auto' or None, got {self.remat!r}")
         if not _positive_bytes(self.bucket_cap):
             raise PartirError(f"bucket_cap must be a positive size (25MiB, 4096), got {self.bucket_cap!r}")
         for name in ("max_grad_norm", "max_grad_value"):

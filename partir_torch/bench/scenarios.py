@@ -35,7 +35,8 @@ LARGE: dict[str, tuple[str, dict[str, str], str, str, tuple[str, ...]]] = {
     "L405": ("llama3-405b", {}, "tpu-v5p", "pod=4:dcn,data=8:dcn,fsdp=16,model=16", ()),
 }
 ALL = SCENARIOS | LARGE
-# L405 as trained fits no expert in 95 GiB (no activation recomputation in the model): its limit is lifted
+# L405 as trained fits no expert in 95 GiB, not even with full activation checkpointing (`benchmarks/remat.py`,
+# where the search with it fits): its limit is lifted here
 MEMORY = {"L405": "4TiB"}
 QUICK = ("S1", "S2", "S3", "S5", "S6", "S7", "L8")  # (the U-Net's captures take most of a full run's time)
 ANYTIME = (25, 50, 100, 200, 400)  # the episode budgets of the anytime curve

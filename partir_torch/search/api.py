@@ -256,11 +256,16 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", opti
     fallback = opts.fallback or wants_fallback(schedule)
     from partir_torch.capture.loop import loop_of
 
-    program = capture(model, example_inputs, loss_fn, optimizer, fold=opts.fold, mode=mode, fallback=fallback,
-                      assume_compiling=opts.assume_compiling, loop=loop_of(opts) if mode != "inference" else None)
     text = schedule if isinstance(schedule, str) else ";".join(t.text() for t in tactics)
-    plan, _ = plan_program(program, mesh, tactics, config, schedule=text, fallback=fallback, cache=opts.cache,
-                           options={"fold": opts.fold, "mode": mode})
+    plan = None
+    for remat in REMAT_MODES if opts.remat == "auto" else (opts.remat,):  # "auto": the best step of each
+        program = capture(model, example_inputs, loss_fn, optimizer, fold=opts.fold, mode=mode, fallback=fallback,
+                          assume_compiling=opts.assume_compiling,
+                          loop=loop_of(Options.of(opts, remat=remat)) if mode != "inference" else None)
+        got, _ = plan_program(program, mesh, tactics, config, schedule=text, fallback=fallback, cache=opts.cache,
+                              options={"fold": opts.fold, "mode": mode})
+        if plan is None or _better(got, plan):
+            plan = got
     if plan.blocked:  # said, not hidden: the table has them too
         warnings.warn(f"{len(plan.blocked)} dim(s) keep mesh axes from splitting the step: "
                       + "; ".join(b["text"] for b in plan.blocked[:3]), stacklevel=2)
@@ -276,6 +281,14 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", opti
     if require_fit and not plan.cost["feasible"]:
         raise InfeasibleError(infeasible_message(plan, mesh))
     return plan
+
+
+REMAT_MODES = (None, "selective", "full")  # what remat="auto" searches, each with the whole budget
+
+
+def _better(a, b) -> bool:
+    """Plan `a` over `b`: fitting first, then the faster predicted step."""
+    return (not a.cost["feasible"], a.cost["step_time_s"]) < (not b.cost["feasible"], b.cost["step_time_s"])
 
 
 def plan_key(program, mesh, tactics: list, config: SearchConfig, *, fallback: bool, options: dict[str, Any]) -> str:

@@ -127,7 +127,7 @@ def test_remat_options_say_what_they_take():
     from partir_torch.options import Options
 
     assert Options(remat="full").remat == "full"
-    with pytest.raises(PartirError, match="remat must be 'full', 'selective' or None"):
+    with pytest.raises(PartirError, match=r"remat must be .full., .selective., .auto. or None"):
         Options(remat="everything")
     assert "remat=selective" in str(Loop(remat="selective"))
 
@@ -152,3 +152,19 @@ def test_hf_gpt2_blocks_recompute_and_its_dropout_is_named():
     assert diff <= 1e-6 and added > 0
     with pytest.raises(CaptureError, match=r"block 'transformer.h.0' draws random numbers"):
         capture(gpt2(0.1), (ids,), loss_fn, "adamw", loop=Loop(remat="full"))
+
+
+def test_auto_keeps_activations_unless_only_recomputing_them_fits():
+    """`remat="auto"`: the search plans the step kept, selective and full, and keeps the fastest that fits:
+    kept without a limit (recomputing costs FLOPs), a recomputing one under a limit the kept step cannot meet."""
+    from partir_torch.search.api import search
+
+    torch.manual_seed(0)
+    model, inputs, loss_fn = models.build("tiny-gpt2", BIG, device="cpu")
+    kw = {"loss_fn": loss_fn, "budget": 20, "cache": False, "progress": False, "hardware": "cpu-virtual"}
+    free = search(model, inputs, "batch=2", remat="auto", **kw)
+    assert "remat" not in free.loop
+    tight = search(model, inputs, "batch=2", remat="auto", memory=6_000_000, **kw)
+    assert tight.loop.get("remat") in ("selective", "full") and tight.cost["feasible"]
+    with pytest.raises(PartirError, match="no plan found fits"):
+        search(model, inputs, "batch=2", memory=6_000_000, **kw)
