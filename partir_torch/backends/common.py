@@ -22,20 +22,26 @@ def slots(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, bool]]:
     return out
 
 
-def initial_states(opt: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor, dev) -> dict[str, torch.Tensor]:
-    """The states torch.optim creates at the first step, created now (so they can be sharded first), named and
-    shaped as capture's `OptimizerSpec` says; the values torch would start from (zeros, Adagrad's
-    `initial_accumulator_value`, NAdam's momentum product 1; SGD's buffer is the first gradient: zero momentum
-    gives it too)."""
+def initial_fills(opt: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor
+                  ) -> dict[str, tuple[tuple[int, ...], float, torch.dtype]]:
+    """The states torch.optim creates at the first step, as (shape, the constant it starts from, dtype), named
+    and shaped as capture's `OptimizerSpec` says: zeros, Adagrad's `initial_accumulator_value`, NAdam's momentum
+    product 1; SGD's buffer is the first gradient: zero momentum gives it too. (A backend makes each at the
+    size it holds: a rank its part.)"""
     from partir_torch.capture.optim import CLASSES, optimizer_spec
 
     base = next(c for c in type(opt).__mro__ if c in CLASSES.values())  # (the backends' rebuilt subclasses)
     spec = optimizer_spec(base([{**group, "params": [p]}]), {"p": p})
-    shared = {s: torch.tensor(1.0 if s == "mu_product" else 0.0, dtype=torch.float32, device=dev)
-              for s in spec.shared_states}
+    shared = {s: ((), 1.0 if s == "mu_product" else 0.0, torch.float32) for s in spec.shared_states}
     fill = group.get("initial_accumulator_value", 0.0)
-    return {**shared, **{s: torch.full(shape, fill if s == "sum" else 0.0, dtype=p.dtype, device=dev)
+    return {**shared, **{s: (tuple(shape), fill if s == "sum" else 0.0, p.dtype)
                          for s, shape in spec.state_shapes("p", tuple(p.shape)).items()}}
+
+
+def initial_states(opt: torch.optim.Optimizer, group: dict[str, Any], p: torch.Tensor, dev) -> dict[str, torch.Tensor]:
+    """`initial_fills`, made whole on `dev`."""
+    return {s: torch.full(shape, fill, dtype=dtype, device=dev)
+            for s, (shape, fill, dtype) in initial_fills(opt, group, p).items()}
 
 
 def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, torch.Tensor],

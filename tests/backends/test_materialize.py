@@ -54,6 +54,10 @@ def meta_case(rank, world, name):
     out["split"] = sum(any(s) for s in model.partir_plan.params.values())
     out["init_bytes"] = sharded(model).init_bytes
     out["local"] = max(p.to_local().numel() / p.numel() for p in model.parameters() if p.dim())
+    # each local part, parameter or optimizer state, owns its storage: not a view keeping a whole tensor alive
+    locals_ = [p.to_local() for p in model.parameters()]
+    locals_ += [t.to_local() for st in opt.state.values() for t in st.values() if hasattr(t, "to_local")]
+    out["held"] = max(t.untyped_storage().nbytes() / max(1, t.numel() * t.element_size()) for t in locals_)
     out["init"] = max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), ref.parameters()))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     out["losses"] = []
@@ -89,6 +93,7 @@ def refused_case(rank, world):
 def test_a_meta_model_initialized_in_parts_equals_the_whole_init_and_trains_as_it(two, name):
     for r in two.run(meta_case, name):
         assert r["meta"] and r["split"] and r["local"] <= 0.5, r  # every split weight: half on each rank
+        assert r["held"] == 1.0, r["held"]  # (a view of the whole tensor would hold 2.0: the model on every rank)
         assert r["init"] == 0.0, r["init"]
         largest, model_bytes = r["init_bytes"]  # a rank held one module whole at a time, never the model
         assert 0 < largest <= 0.5 * model_bytes, r["init_bytes"]

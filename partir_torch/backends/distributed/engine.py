@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from partir_torch import _compat
-from partir_torch.backends.common import initial_states, rebuild_optimizer, slots
+from partir_torch.backends.common import initial_fills, rebuild_optimizer, slots
 from partir_torch.backends.distributed import grads, materialize
 from partir_torch.backends.distributed.rank import RankProgram, trace
 from partir_torch.backends.distributed.reshard import Exchange
@@ -167,6 +167,8 @@ def apply(model: nn.Module, optimizer: torch.optim.Optimizer, plan: ShardingPlan
         vid = (prog.params if id(t) in names else prog.buffers).get(name)
         sh = state.shard[vid] if vid is not None else Sharding.replicated(t.dim())
         local = local_part(whole, sh, rm).contiguous()
+        if local.untyped_storage().nbytes() > local.numel() * local.element_size():  # a view: it would keep
+            local = local.clone()  # the whole tensor alive (every rank holding the whole model)
         data = DTensor.from_local(local, rm.device_mesh, placements(sh, mesh), run_check=False, shape=t.shape,
                                   stride=_contiguous_stride(t.shape))
         new = nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
@@ -255,17 +257,23 @@ def _shard_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, rec: Sh
         for old_p, p in zip(og["params"], ng["params"]):
             name = rec.names[id(old_p)]
             had = optimizer.state.get(old_p)
-            # states torch.optim would create: the same constants on every rank, made here (a meta model's too)
-            st = dict(had) if had else initial_states(new, ng, old_p, rm.device)
+            # states torch.optim would create: the same constants on every rank, each made at its local size
+            # (a meta model's too: nothing whole is made)
+            fills = {} if had else initial_fills(new, ng, old_p)
+            st = dict(had) if had else {k: torch.empty(shape, dtype=dt, device="meta")
+                                        for k, (shape, _, dt) in fills.items()}
             ids = prog.opt_states.get(name, {})
             for s, t in st.items():
                 if not isinstance(t, torch.Tensor):
                     continue
                 vid = ids.get(s)
                 sh = state.shard[vid] if vid is not None else Sharding.replicated(t.dim())
-                whole = _broadcast(t, rm.device) if had else t
-                st[s] = whole if t.dim() == 0 else DTensor.from_local(
-                    local_part(whole, sh, rm).contiguous(), rm.device_mesh, placements(sh, rm.mesh), run_check=False,
+                if had:
+                    local = local_part(_broadcast(t, rm.device), sh, rm).clone()
+                else:
+                    local = torch.full(local_part(t, sh, rm).shape, fills[s][1], dtype=t.dtype, device=rm.device)
+                st[s] = local if t.dim() == 0 else DTensor.from_local(
+                    local, rm.device_mesh, placements(sh, rm.mesh), run_check=False,
                     shape=t.shape, stride=_contiguous_stride(t.shape))
             new.state[p] = st
     rec.optimizer = new
