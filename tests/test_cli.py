@@ -186,3 +186,17 @@ def test_the_cli_searches_the_python_default_budget(command):
 def test_train_takes_plan_s_fallback_flag():
     args = cli.build_parser().parse_args(["train", "tiny-mlp", "--mesh", "batch=8", "--fallback"])
     assert args.fallback is True
+
+
+def test_plan_takes_the_steps_options_and_says_them(capsys):
+    """`plan`'s loop flags (mixed precision, remat, accumulation) shape the step it plans, as `auto_shard`'s do;
+    the table says which step the plan is for."""
+    argv = ["plan", "tiny-gpt2", "--mesh", "batch=2", "--budget", "20", "--no-cache", "--param-dtype", "bf16",
+            "--reduce-dtype", "float32", "--remat", "full", "--accumulate", "2"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "step: accumulate=2, param_dtype=bfloat16, reduce_dtype=float32, remat=full" in text
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["loop"] == {"accumulate": 2, "param_dtype": "bfloat16", "reduce_dtype": "float32", "remat": "full",
+                            "max_grad_norm": None, "max_grad_value": None}

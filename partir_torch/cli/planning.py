@@ -102,12 +102,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
     from partir_torch import workload
     from partir_torch.capture import capture
+    from partir_torch.capture.loop import loop_of
     from partir_torch.errors import CaptureError
     from partir_torch.ir.mesh import check_devices
+    from partir_torch.options import Options
     from partir_torch.propagate.analysis import Analysis
     from partir_torch.rules.base import MissingRuleError
     from partir_torch.search import Auto, SearchConfig
-    from partir_torch.search.api import InfeasibleError, infeasible_message, plan_key, plan_program
+    from partir_torch.search.api import REMAT_MODES, InfeasibleError, better, infeasible_message, plan_key, plan_program
     from partir_torch.tactics import parse_schedule, wants_fallback
 
     opts = from_args(args)
@@ -120,21 +122,26 @@ def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
     model, inputs, loss_fn = workload.load(args.model, workload.parse_overrides(args.config))
     fallback = opts.fallback or wants_fallback(opts.schedule)
 
-    def captured(sources: bool):
+    def captured(sources: bool, remat: str | None):
         program = capture(model, inputs, loss_fn, args.optimizer, fold=opts.fold,
-                          assume_compiling=opts.assume_compiling, fallback=fallback, sources=sources)
+                          assume_compiling=opts.assume_compiling, fallback=fallback, sources=sources,
+                          loop=loop_of(Options.of(opts, remat=remat)))
         Analysis.of(program, mesh, fallback=fallback)  # every op's rule, before the search
         return program
 
-    try:  # without source lines (faster), unless fallback's warnings name them
-        program = captured(sources=fallback)
-    except (CaptureError, MissingRuleError):
-        if fallback:
-            raise
-        program = captured(sources=True)  # the same error, naming the line of the user's code
     options = {"fold": opts.fold, "mode": None}
-    plan, state = plan_program(program, mesh, tactics, config, schedule=schedule, fallback=fallback,
-                               cache=opts.cache, options=options, need_state=args.explain)
+    plan = None
+    for remat in REMAT_MODES if opts.remat == "auto" else (opts.remat,):  # "auto": the best step of each
+        try:  # without source lines (faster), unless fallback's warnings name them
+            prog = captured(sources=fallback, remat=remat)
+        except (CaptureError, MissingRuleError):
+            if fallback:
+                raise
+            prog = captured(sources=True, remat=remat)  # the same error, naming the line of the user's code
+        got, got_state = plan_program(prog, mesh, tactics, config, schedule=schedule, fallback=fallback,
+                                      cache=opts.cache, options=options, need_state=args.explain)
+        if plan is None or better(got, plan):
+            plan, state, program = got, got_state, prog
     plan.workload = _workload_record(args)
     text = _report(plan)
     error = infeasible_message(plan, mesh) if plan.search and not plan.cost["feasible"] else None

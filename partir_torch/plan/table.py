@@ -69,6 +69,9 @@ def table(plan: Any, top: int = 20) -> str:
         lines.append(f"  {axis} ({plan.mesh[axis]}): {', '.join(what) or 'nothing'}")
         if not computes:
             idle.append(axis)
+    if plan.loop:  # what the step does beyond one update: the plan is for that step
+        lines.append("step: " + ", ".join(f"{k}={v}" for k, v in plan.loop.items()
+                                          if v not in (None, 1) or (k == "accumulate" and v != 1)))
     shapes = plan.shapes.get("inputs", [])
     ins = [f"{i} {shapes[i] if i < len(shapes) else ''} {spec if spec and any(spec) else 'replicated'}"
            for i, spec in enumerate(plan.inputs)]

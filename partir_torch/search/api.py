@@ -264,7 +264,7 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", opti
                           loop=loop_of(Options.of(opts, remat=remat)) if mode != "inference" else None)
         got, _ = plan_program(program, mesh, tactics, config, schedule=text, fallback=fallback, cache=opts.cache,
                               options={"fold": opts.fold, "mode": mode})
-        if plan is None or _better(got, plan):
+        if plan is None or better(got, plan):
             plan = got
     if plan.blocked:  # said, not hidden: the table has them too
         warnings.warn(f"{len(plan.blocked)} dim(s) keep mesh axes from splitting the step: "
@@ -286,7 +286,7 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", opti
 REMAT_MODES = (None, "selective", "full")  # what remat="auto" searches, each with the whole budget
 
 
-def _better(a, b) -> bool:
+def better(a, b) -> bool:
     """Plan `a` over `b`: fitting first, then the faster predicted step."""
     return (not a.cost["feasible"], a.cost["step_time_s"]) < (not b.cost["feasible"], b.cost["step_time_s"])
 
