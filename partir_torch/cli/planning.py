@@ -109,7 +109,7 @@ def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
     from partir_torch.propagate.analysis import Analysis
     from partir_torch.rules.base import MissingRuleError
     from partir_torch.search import Auto, SearchConfig
-    from partir_torch.search.api import REMAT_MODES, InfeasibleError, better, infeasible_message, plan_key, plan_program
+    from partir_torch.search.api import InfeasibleError, best_remat, infeasible_message, plan_key, plan_program
     from partir_torch.tactics import parse_schedule, wants_fallback
 
     opts = from_args(args)
@@ -130,18 +130,18 @@ def _plan_and_store(args: argparse.Namespace, request: str | None) -> int:
         return program
 
     options = {"fold": opts.fold, "mode": None}
-    plan = None
-    for remat in REMAT_MODES if opts.remat == "auto" else (opts.remat,):  # "auto": the best step of each
+
+    def plan_with(remat: str | None):
         try:  # without source lines (faster), unless fallback's warnings name them
             prog = captured(sources=fallback, remat=remat)
         except (CaptureError, MissingRuleError):
             if fallback:
                 raise
             prog = captured(sources=True, remat=remat)  # the same error, naming the line of the user's code
-        got, got_state = plan_program(prog, mesh, tactics, config, schedule=schedule, fallback=fallback,
-                                      cache=opts.cache, options=options, need_state=args.explain)
-        if plan is None or better(got, plan):
-            plan, state, program = got, got_state, prog
+        return (*plan_program(prog, mesh, tactics, config, schedule=schedule, fallback=fallback, cache=opts.cache,
+                              options=options, need_state=args.explain), prog)
+
+    plan, state, program = best_remat(opts, plan_with)
     plan.workload = _workload_record(args)
     text = _report(plan)
     error = infeasible_message(plan, mesh) if plan.search and not plan.cost["feasible"] else None

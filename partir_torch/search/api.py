@@ -18,6 +18,7 @@ import math
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -257,15 +258,15 @@ def search(model, example_inputs, mesh, *, loss_fn=None, optimizer="adamw", opti
     from partir_torch.capture.loop import loop_of
 
     text = schedule if isinstance(schedule, str) else ";".join(t.text() for t in tactics)
-    plan = None
-    for remat in REMAT_MODES if opts.remat == "auto" else (opts.remat,):  # "auto": the best step of each
+
+    def plan_with(remat: str | None):
         program = capture(model, example_inputs, loss_fn, optimizer, fold=opts.fold, mode=mode, fallback=fallback,
                           assume_compiling=opts.assume_compiling,
                           loop=loop_of(Options.of(opts, remat=remat)) if mode != "inference" else None)
-        got, _ = plan_program(program, mesh, tactics, config, schedule=text, fallback=fallback, cache=opts.cache,
-                              options={"fold": opts.fold, "mode": mode})
-        if plan is None or better(got, plan):
-            plan = got
+        return plan_program(program, mesh, tactics, config, schedule=text, fallback=fallback, cache=opts.cache,
+                            options={"fold": opts.fold, "mode": mode})
+
+    plan, _ = best_remat(opts, plan_with)
     if plan.blocked:  # said, not hidden: the table has them too
         warnings.warn(f"{len(plan.blocked)} dim(s) keep mesh axes from splitting the step: "
                       + "; ".join(b["text"] for b in plan.blocked[:3]), stacklevel=2)
@@ -289,6 +290,17 @@ REMAT_MODES = (None, "selective", "full")  # what remat="auto" searches, each wi
 def better(a, b) -> bool:
     """Plan `a` over `b`: fitting first, then the faster predicted step."""
     return (not a.cost["feasible"], a.cost["step_time_s"]) < (not b.cost["feasible"], b.cost["step_time_s"])
+
+
+def best_remat(opts: Options, plan_with: Callable[[str | None], tuple]) -> tuple:
+    """`plan_with(remat)` (a tuple, the plan first) for the remat mode `opts` asks for; under "auto", for each
+    of `REMAT_MODES`, the one whose plan is `better`."""
+    best = None
+    for remat in REMAT_MODES if opts.remat == "auto" else (opts.remat,):
+        got = plan_with(remat)
+        if best is None or better(got[0], best[0]):
+            best = got
+    return best
 
 
 def plan_key(program, mesh, tactics: list, config: SearchConfig, *, fallback: bool, options: dict[str, Any]) -> str:
